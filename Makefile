@@ -1,0 +1,35 @@
+# Everything runs from .venv in the repo root; `make setup` builds it (idempotent).
+PY := .venv/bin/python
+
+# Keep all traffic on loopback (shared/CPU_NOTES.md): Ray, vLLM, gloo and DeepSpeed.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export VLLM_HOST_IP := 127.0.0.1
+export MASTER_ADDR := 127.0.0.1
+export GLOO_SOCKET_IFNAME := lo
+export DS_ACCELERATOR := cpu
+export WANDB_MODE := offline
+export VLLM_CPU_KVCACHE_SPACE := 1
+export VLLM_ENABLE_V1_MULTIPROCESSING := 0
+export VLLM_CPU_OMP_THREADS_BIND := nobind
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup test test-unit lint format
+
+setup:
+	bash scripts/setup_env.sh
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: setup
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
+
+test: setup lint
+	$(PY) -m pytest -q -rs tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit

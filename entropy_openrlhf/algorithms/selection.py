@@ -1,0 +1,103 @@
+"""Selection scope `global`: one covariance selection over the whole optimizer mini-batch, across ranks.
+
+The reference code selects per micro-batch on each GPU (ENTROPY_SPEC.md section 6.5), so its choice depends on
+micro-batch size and GPU count (verl#7818). The paper defines the covariance over the training batch. Here the
+valid tokens of every micro-batch of the mini-batch are flattened in order, gathered from all data-parallel ranks,
+the means and the selection are computed once over all of them, and each micro-batch gets its slice back as the
+`selected=` mask of `clip_cov_loss` / `kl_cov_loss`.
+
+Every rank computes the same selection from the same gathered values; for Clip-Cov's random draw that needs the
+same generator seed on every rank (the trainer seeds it by step, not by rank, in this scope).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from entropy_openrlhf.algorithms.losses import clip_cov_select, kl_cov_select
+
+
+@dataclass
+class MicroBatch:
+    log_probs: torch.Tensor  # current policy, no grad needed
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+
+
+def _gather_rows(local: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
+    """All-gather a (k, n_local) tensor whose n_local differs by rank.
+
+    Returns the (k, n_total) concatenation in rank order and where this rank's columns start in it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return local, 0
+    world = dist.get_world_size(group)
+    size = torch.tensor([local.shape[1]], dtype=torch.long)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(local.shape[0], longest, dtype=local.dtype)
+    padded[:, : local.shape[1]] = local
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    offset = int(sum(s.item() for s in sizes[: dist.get_rank(group)]))
+    return torch.cat([p[:, : int(s.item())] for p, s in zip(parts, sizes, strict=True)], dim=1), offset
+
+
+def global_selection(
+    micro_batches: Sequence[MicroBatch],
+    method: Literal["clip_cov", "kl_cov"],
+    *,
+    ratio: float,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    generator: torch.Generator | None = None,
+    group=None,
+) -> tuple[list[torch.Tensor], tuple[float, float]]:
+    """Select over all valid tokens of `micro_batches` on all ranks of `group`.
+
+    Returns one bool mask per micro-batch (its shape) and the global (advantage mean, log-prob mean), which the
+    losses take as `cov_means=` so their covariance metrics use the same centring.
+    """
+    valids = [mb.mask.bool() for mb in micro_batches]
+    pairs = list(zip(micro_batches, valids, strict=True))
+    # rows: current log-prob, old log-prob, advantage of every valid token, in micro-batch then row-major order
+    local = torch.stack(
+        [
+            torch.cat([getattr(mb, name).detach().float().cpu()[v.cpu()] for mb, v in pairs])
+            for name in ("log_probs", "old_log_probs", "advantages")
+        ]
+    )
+    n_local = local.shape[1]
+    everything, offset = _gather_rows(local, group)
+    lp, old, adv = everything[0:1], everything[1:2], everything[2:3]
+    all_valid = torch.ones_like(lp, dtype=torch.bool)
+    n = lp.numel()
+    means = (float(adv.mean()), float(lp.mean())) if n else (0.0, 0.0)
+    if method == "clip_cov":
+        chosen = clip_cov_select(
+            lp, old, adv, all_valid, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
+            clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=means,
+        )  # fmt: skip
+    elif method == "kl_cov":
+        chosen = kl_cov_select(lp, adv, all_valid, ratio=ratio, cov_means=means)
+    else:
+        raise ValueError(f"unknown selection method {method!r}; expected 'clip_cov' or 'kl_cov'")
+
+    mine = chosen.view(-1)[offset : offset + n_local]
+    masks, start = [], 0
+    for mb, v in pairs:
+        count = int(v.sum())
+        sel = torch.zeros(v.shape, dtype=torch.bool)
+        sel[v.cpu()] = mine[start : start + count]
+        masks.append(sel.to(mb.mask.device))
+        start += count
+    return masks, means
