@@ -1,0 +1,371 @@
+"""The policy actor group: the trainable model under DeepSpeed, data-parallel over `actor.num_workers` Ray actors.
+
+One RL step on a rank's shard of the rollout batch:
+1. recompute the old log-probs (and token entropies) with the current weights, no grad;
+2. split the shard into `train.mini_batches` optimizer steps, each into micro-batches;
+3. per micro-batch: forward, the configured loss (PPO / clip-higher / Clip-Cov / KL-Cov), backward; one optimizer
+   step per mini-batch, with the loss normalised over the whole mini-batch on all ranks so that micro-batching and
+   sharding do not change it.
+CPU machines use gloo and torch's AdamW (DeepSpeed's CPU optimizers need a minute of JIT builds); GPU clusters
+use NCCL. Nothing else differs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from entropy_openrlhf.config import Config
+
+
+@dataclass
+class TrainSample:
+    """What the policy needs of one response; the driver builds these from `Sample`s."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    rollout_log_probs: list[float]
+    ref_log_probs: list[float] | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1" if os.environ.get("MASTER_ADDR") == "127.0.0.1" else "", 0))
+        return s.getsockname()[1]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+@ray.remote
+class PolicyActor:
+    def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0",
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cuda = torch.cuda.is_available()
+        deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
+        self.dtype = resolve_dtype(cfg.model.dtype, model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        if cfg.actor.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), weight_decay=cfg.actor.weight_decay
+        )
+        per_rank = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.mini_batches // world_size
+        self.micro_per_step = math.ceil(per_rank / cfg.actor.micro_batch_size)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.actor.micro_batch_size,
+            "gradient_accumulation_steps": self.micro_per_step,
+            "gradient_clipping": cfg.actor.grad_clip,
+            "zero_optimization": {"stage": cfg.actor.zero_stage},
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.version = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _batch(self, samples: list[TrainSample]):
+        from entropy_openrlhf.actors.forward import make_seq_batch
+
+        device = self.engine.device
+        return make_seq_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.pad_id).to(
+            device
+        )
+
+    def _grid(self, values, batch, samples):
+        from entropy_openrlhf.actors.forward import to_token_grid
+
+        return to_token_grid(values, batch, [len(s.prompt_ids) for s in samples]).to(batch.mask.device)
+
+    def _all_reduce_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(t)
+        return float(t.item())
+
+    def _generator(self, step: int, mini: int, micro: int) -> torch.Generator:
+        # micro_batch scope: a different draw per rank; global scope: all ranks draw the same (they must agree).
+        rank = 0 if self.cfg.loss.scope == "global" else self.rank
+        seed = (self.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
+        return torch.Generator().manual_seed(seed)
+
+    def _loss(self, log_probs, old, adv, mask, *, selected, cov_means, generator, normalizer, is_weights):
+        from entropy_openrlhf.algorithms.losses import clip_cov_loss, kl_cov_loss, ppo_loss
+
+        lc = self.cfg.loss
+        common = dict(agg=lc.agg, normalizer=normalizer, dp_size=self.world_size, is_weights=is_weights)
+        if lc.type in ("ppo", "clip_higher"):
+            return ppo_loss(
+                log_probs, old, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                dual_clip=lc.dual_clip or None, **common,
+            )  # fmt: skip
+        if lc.type == "clip_cov":
+            return clip_cov_loss(
+                log_probs, old, adv, mask, ratio=lc.clip_cov.ratio, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub,
+                clip_low=lc.clip_low, clip_high=lc.clip_high, generator=generator, selected=selected,
+                cov_means=cov_means, **common,
+            )  # fmt: skip
+        return kl_cov_loss(
+            log_probs, old, adv, mask, ratio=lc.kl_cov.ratio, coef=lc.kl_cov.coef, selected=selected,
+            cov_means=cov_means, **common,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the RL step
+
+    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        from entropy_openrlhf.actors.forward import forward_log_probs
+        from entropy_openrlhf.algorithms.metrics import covariance_stats, entropy_stats
+        from entropy_openrlhf.algorithms.selection import MicroBatch, global_selection
+
+        cfg, t0 = self.cfg, time.time()
+        mbs, n_mini = cfg.actor.micro_batch_size, cfg.train.mini_batches
+        per_mini = len(samples) // n_mini
+        if per_mini * n_mini != len(samples):
+            raise ValueError(f"{len(samples)} samples on rank {self.rank} do not split into {n_mini} mini-batches")
+        # mini-batch m is micro-batches [m * micro_per_mini, (m + 1) * micro_per_mini)
+        micro = [
+            samples[start + i : start + min(i + mbs, per_mini)]
+            for start in range(0, len(samples), per_mini)
+            for i in range(0, per_mini, mbs)
+        ]
+        micro_per_mini = len(micro) // n_mini
+        batches = [self._batch(m) for m in micro]
+
+        # 1. old log-probs and entropies with the weights the optimizer steps start from
+        self.engine.eval()
+        old_lp, entropies = [], []
+        with torch.no_grad():
+            for b in batches:
+                lp, ent = forward_log_probs(self.engine, b, with_entropy=True)
+                old_lp.append(lp.float())
+                entropies.append(ent)
+        adv = [self._grid([[s.advantage] * len(s.response_ids) for s in m], b, m) for m, b in zip(micro, batches)]
+        rollout_lp = [self._grid([s.rollout_log_probs for s in m], b, m) for m, b in zip(micro, batches)]
+        metrics: dict[str, list[float]] = {}
+
+        def add(key, value):
+            metrics.setdefault(key, []).append(float(value))
+
+        for b, lp, ent, a, r in zip(batches, old_lp, entropies, adv, rollout_lp):
+            n = int(b.mask.sum())
+            if n == 0:
+                continue
+            es = entropy_stats(ent, b.mask)
+            add("entropy/token_mean", es["token_mean"])
+            add("entropy/seq_mean", es["seq_mean"])
+            cs = covariance_stats(lp, a, b.mask)
+            add("cov/batch_mean", cs["mean"])
+            add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
+        has_ref = all(s.ref_log_probs is not None for s in samples)
+        ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
+        if ref_lp is not None:
+            from openrlhf.models.utils import compute_approx_kl
+
+            for b, lp, rf in zip(batches, old_lp, ref_lp):
+                n = int(b.mask.sum())
+                if n:
+                    kl = compute_approx_kl(lp, rf, kl_estimator=cfg.algo.kl_estimator)
+                    add("kl/ref", float((kl * b.mask).sum() / n))
+
+        is_weights = None
+        if cfg.use_is_correction:
+            is_weights = [
+                torch.exp((lp - r).clamp(-20, 20)).clamp(max=cfg.async_.is_cap) for lp, r in zip(old_lp, rollout_lp)
+            ]
+            for w, b in zip(is_weights, batches):
+                n = int(b.mask.sum())
+                if n:
+                    add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
+                    add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
+
+        # 2. optimizer steps
+        self.engine.train()
+        skipped = 0
+        for mini in range(n_mini):
+            idx = list(range(mini * micro_per_mini, (mini + 1) * micro_per_mini))
+            local_tokens = sum(float(batches[i].mask.sum()) for i in idx)
+            local_seqs = sum(float((batches[i].mask.sum(-1) > 0).sum()) for i in idx)
+            normalizer = self._all_reduce_sum(local_tokens if cfg.loss.agg == "token_mean" else local_seqs)
+
+            selections = {i: None for i in idx}
+            cov_means = None
+            if cfg.loss.scope == "global" and cfg.loss.type in ("clip_cov", "kl_cov"):
+                if mini == 0:
+                    current = [old_lp[i] for i in idx]  # the weights have not moved yet this step
+                else:
+                    with torch.no_grad():
+                        current = [forward_log_probs(self.engine, batches[i])[0].float() for i in idx]
+                mbs_sel = [MicroBatch(c, old_lp[i], adv[i], batches[i].mask) for c, i in zip(current, idx)]
+                lc = cfg.loss
+                masks, cov_means = global_selection(
+                    mbs_sel, lc.type, ratio=lc.clip_cov.ratio if lc.type == "clip_cov" else lc.kl_cov.ratio,
+                    cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                    generator=self._generator(step, mini, 0),
+                )  # fmt: skip
+                selections = dict(zip(idx, masks))
+
+            for j, i in enumerate(idx):
+                b = batches[i]
+                lp, _ = forward_log_probs(self.engine, b)
+                out = self._loss(
+                    lp, old_lp[i], adv[i], b.mask, selected=selections[i], cov_means=cov_means,
+                    generator=self._generator(step, mini, j), normalizer=normalizer,
+                    is_weights=None if is_weights is None else is_weights[i],
+                )  # fmt: skip
+                loss = out.loss
+                if cfg.algo.kl_coef > 0 and ref_lp is not None:
+                    from openrlhf.models.utils import compute_approx_kl
+
+                    from entropy_openrlhf.algorithms.losses import aggregate
+
+                    kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
+                    loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, cfg.loss.agg, normalizer, self.world_size)
+                if not torch.isfinite(loss):
+                    skipped += 1
+                    loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the accumulation boundary in step on all ranks
+                # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
+                self.engine.backward(loss, scale_wrt_gas=False)
+                self.engine.step()
+                add("loss/policy", out.loss.item())
+                for k, v in out.metrics.items():
+                    add(f"loss/{k}" if not k.startswith("cov_") else f"cov/{k[4:]}", v)
+            grad_norm = self.engine.get_global_grad_norm()
+            if grad_norm is not None:
+                add("train/grad_norm", float(grad_norm))
+        self.version += 1
+        result = {k: _mean(v) for k, v in metrics.items()}
+        # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
+        result["loss/policy"] = _mean(metrics.get("loss/policy", [])) * micro_per_mini / self.world_size
+        result["train/nonfinite_losses"] = float(skipped)
+        result["train/lr"] = float(self.engine.optimizer.param_groups[0]["lr"])
+        result["time/train_actor"] = time.time() - t0
+        result["train/tokens"] = float(sum(float(b.mask.sum()) for b in batches))
+        return result
+
+    # ------------------------------------------------------------------ weights out
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards)."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.cfg.actor.zero_stage == 3):
+            if self.rank != 0:
+                return None
+            return {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+
+    def save_hf(self, path: str) -> None:
+        state = self.export_weights()
+        if self.rank == 0:
+            self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+
+    def save_checkpoint(self, path: str, tag: str) -> None:
+        self.engine.save_checkpoint(path, tag=tag)
+
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        self.engine.load_checkpoint(path, tag=tag)
+
+    def get_version(self) -> int:
+        return self.version
+
+    def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
+        from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch
+
+        b = make_seq_batch(prompt_ids, response_ids, self.pad_id).to(self.engine.device)
+        self.engine.eval()
+        with torch.no_grad():
+            lp, _ = forward_log_probs(self.engine, b)
+        return [lp[i][b.mask[i].bool()].float().tolist() for i in range(len(prompt_ids))]
+
+
+def resolve_dtype(name: str, model_path: str) -> torch.dtype:
+    """auto: the checkpoint's own dtype (tiny test models are fp32; bf16 ones crash the CPU AMX kernels)."""
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            conf = json.load(f)
+        saved = conf.get("dtype") or conf.get("torch_dtype") or "float32"
+    except OSError:
+        saved = "float32"
+    return torch.bfloat16 if saved == "bfloat16" else torch.float32
+
+
+class PolicyGroup:
+    """Driver-side handle: creates the ranks in a placement group, shards each batch, gathers metrics."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = cfg.actor.num_workers
+        bundle = {"CPU": cfg.actor.num_cpus_per_worker}
+        if cfg.actor.num_gpus_per_worker:
+            bundle["GPU"] = cfg.actor.num_gpus_per_worker
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ray.get(self.pg.ready())
+        master_addr = os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address()
+        master_port = free_port()
+        self.actors = [
+            PolicyActor.options(
+                num_cpus=cfg.actor.num_cpus_per_worker,
+                num_gpus=cfg.actor.num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(cfg, model_path, i, n, master_addr, master_port)
+            for i in range(n)
+        ]
+        ray.get([a.get_version.remote() for a in self.actors])  # surface init errors here
+
+    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+        n = len(self.actors)
+        per = len(samples) // n
+        shards = [samples[i * per : (i + 1) * per] for i in range(n)]
+        results = ray.get([a.train_step.remote(s, step) for a, s in zip(self.actors, shards)])
+        merged = {k: _mean([r[k] for r in results if k in r]) for k in results[0]}
+        merged["loss/policy"] = sum(r["loss/policy"] for r in results)
+        merged["train/tokens"] = sum(r["train/tokens"] for r in results)
+        return merged
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return ray.get([a.export_weights.remote() for a in self.actors])[0]
+
+    def save_hf(self, path: str) -> None:
+        ray.get([a.save_hf.remote(path) for a in self.actors])
+
+    def save_checkpoint(self, path: str, tag: str) -> None:
+        ray.get([a.save_checkpoint.remote(path, tag) for a in self.actors])
+
+    def forward_log_probs(self, prompt_ids, response_ids):
+        return ray.get(self.actors[0].forward_log_probs.remote(prompt_ids, response_ids))
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        ray.util.remove_placement_group(self.pg)

