@@ -258,13 +258,20 @@ def _converter(default):
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     for key, f, default in _fields(Config()):
         flags = [f"--{key}"] + (["--pretrain"] if key == "model.pretrain" else [])
         shown = ",".join(str(x) for x in default) if isinstance(default, list) else default
-        p.add_argument(*flags, dest=key, type=_converter(default), default=None, help=f"{f.metadata['help']} [{shown}]")
+        p.add_argument(
+            *flags,
+            dest=key,
+            type=_converter(default),
+            default=None,
+            metavar={bool: "BOOL", int: "INT", float: "FLOAT", list: "A,B"}.get(type(default), "STR"),
+            help=f"{f.metadata['help']} [{shown}]".replace("%", "%%"),
+        )
     return p
 
 

@@ -1,0 +1,126 @@
+"""Entry point shared by the pipelines in pipelines/: parse flags, check everything, start the groups, train.
+
+Everything that can be wrong with the input (flags, model folder, dataset rows, the verifier) is checked before
+any actor starts, and reported as one line naming the flag, file, row or field.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from entropy_openrlhf.config import Config, ConfigError, from_args, validate
+from entropy_openrlhf.presets import PIPELINES
+
+
+def resolve_model(cfg: Config) -> str:
+    from entropy_openrlhf.models.tiny import make_tiny_model
+
+    name = cfg.model.pretrain
+    if name == "tiny":
+        folder = Path(cfg.train.output_dir) / "tiny_model"
+        if not (folder / "config.json").exists():
+            make_tiny_model(folder, seed=cfg.train.seed)
+        return str(folder)
+    if not name:
+        from entropy_openrlhf.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
+    if not Path(name).is_dir():
+        raise ConfigError(f"--pretrain {name}: no such folder (models are not downloaded at run time)")
+    if not (Path(name) / "config.json").exists():
+        raise ConfigError(f"--pretrain {name}: the folder holds no HF model (no config.json)")
+    return name
+
+
+def resolve_data(cfg: Config) -> tuple[str, str]:
+    """Paths of the training and test prompts; the built-in task is written to the output folder when no
+    training data is given."""
+    from entropy_openrlhf.data.dataset import validate_dataset
+
+    train, test = cfg.data.train, cfg.data.test
+    if not train:
+        from entropy_openrlhf.data.arith_task import write_builtin_task
+
+        train, builtin_test = write_builtin_task(Path(cfg.train.output_dir) / "data", seed=cfg.train.seed)
+        test = test or builtin_test
+        cfg.data.input_key, cfg.data.label_key = "prompt", "label"
+    for path in filter(None, (train, test)):
+        validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
+    return str(train), str(test) if test else ""
+
+
+def prepare(cfg: Config):
+    """All checks and input loading; no actor starts here."""
+    from transformers import AutoTokenizer
+
+    from entropy_openrlhf.data.dataset import load_prompts
+    from rewards import load_verifier
+
+    validate(cfg)
+    load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
+    model_path = resolve_model(cfg)
+    train_path, test_path = resolve_data(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    kw = dict(
+        tokenizer=tokenizer,
+        input_key=cfg.data.input_key,
+        label_key=cfg.data.label_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        system_prompt=cfg.data.system_prompt or None,
+    )
+    train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
+    test_items = load_prompts(test_path, max_samples=cfg.eval.max_samples or None, **kw) if test_path else []
+    return model_path, train_items, test_items
+
+
+def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
+    cfg = from_args(argv, PIPELINES[pipeline], description)  # --help and flag errors exit here
+
+    from entropy_openrlhf.data.dataset import DatasetError
+    from rewards import VerifierLoadError
+
+    if not cfg.logger.run_name:
+        cfg.logger.run_name = f"{pipeline}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        model_path, train_items, test_items = prepare(cfg)
+    except (ConfigError, DatasetError, VerifierLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from entropy_openrlhf.cluster import init_ray
+    from entropy_openrlhf.pipeline.tracking import Tracker
+    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
+
+    started = init_ray(cfg.ray.num_cpus)
+    tracker = Tracker(cfg.logger.wandb_project, cfg.logger.run_name, cfg.flatten(), cfg.train.output_dir)
+    print(
+        f"[entropy-openrlhf] {pipeline}: model {model_path}, {len(train_items)} train / {len(test_items)} test "
+        f"prompts, W&B run {tracker.run_dir}",
+        flush=True,
+    )
+    trainer = Trainer(cfg, model_path, train_items, test_items)
+    try:
+        trainer.start_groups()
+        history = trainer.run(tracker)
+        final = Path(cfg.train.output_dir) / "final"
+        trainer.policy.save_hf(str(final))
+        print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
+        print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
+        print(f"[entropy-openrlhf] final model: {final}; W&B run: {tracker.run_dir}", flush=True)
+    finally:
+        trainer.shutdown_groups()
+        tracker.finish()
+        if started:
+            ray.shutdown()
+    return 0
+
+
+def pipeline_main(pipeline: str, doc: str) -> None:
+    """What each pipelines/<name>.py runs."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    sys.exit(main(sys.argv[1:], pipeline, doc))

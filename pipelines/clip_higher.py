@@ -1,0 +1,12 @@
+"""Clip-higher baseline (DAPO): PPO clip 0.2 below, 0.28 above.
+
+python pipelines/clip_higher.py                      # SmolLM2-135M-Instruct on the built-in arithmetic task
+python pipelines/clip_higher.py --preset smoke       # a tiny random model, 2 steps: the whole path in minutes
+ray job submit --address http://127.0.0.1:8265 --working-dir . -- python pipelines/clip_higher.py --help
+"""
+
+import entropy_openrlhf  # noqa: F401  (first: keeps a local Ray on loopback)
+from entropy_openrlhf.pipeline.main import pipeline_main
+
+if __name__ == "__main__":
+    pipeline_main("clip_higher", __doc__)
