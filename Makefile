@@ -33,3 +33,8 @@ test: setup lint
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
+
+.PHONY: demo
+# A short KL-Cov run of SmolLM2-135M-Instruct on the built-in task, submitted to a Ray head on 127.0.0.1.
+demo: setup
+	bash scripts/demo.sh $(ARGS)

@@ -71,7 +71,7 @@ class ActorConfig:
     num_workers: int = _f(1, "data-parallel DeepSpeed policy actors")
     num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
     num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
-    lr: float = _f(1e-6, "AdamW learning rate (constant, no warmup, as in the paper)")
+    lr: float = _f(1e-5, "AdamW learning rate, constant (the paper's 1e-6 is for 7B/32B: the qwen presets set it)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
     grad_clip: float = _f(1.0, "global gradient-norm clip")

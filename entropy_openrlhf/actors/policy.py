@@ -136,7 +136,7 @@ class PolicyActor:
 
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         from entropy_openrlhf.actors.forward import forward_log_probs
-        from entropy_openrlhf.algorithms.metrics import covariance_stats, entropy_stats
+        from entropy_openrlhf.algorithms.metrics import entropy_stats
         from entropy_openrlhf.algorithms.selection import MicroBatch, global_selection
 
         cfg, t0 = self.cfg, time.time()
@@ -168,15 +168,13 @@ class PolicyActor:
         def add(key, value):
             metrics.setdefault(key, []).append(float(value))
 
-        for b, lp, ent, a, r in zip(batches, old_lp, entropies, adv, rollout_lp):
+        for b, lp, ent, r in zip(batches, old_lp, entropies, rollout_lp):
             n = int(b.mask.sum())
             if n == 0:
                 continue
             es = entropy_stats(ent, b.mask)
             add("entropy/token_mean", es["token_mean"])
             add("entropy/seq_mean", es["seq_mean"])
-            cs = covariance_stats(lp, a, b.mask)
-            add("cov/batch_mean", cs["mean"])
             add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
         has_ref = all(s.ref_log_probs is not None for s in samples)
         ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
@@ -323,6 +321,8 @@ class PolicyGroup:
 
     def __init__(self, cfg: Config, model_path: str):
         from ray.util.placement_group import placement_group
+
+        self.cfg = cfg
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = cfg.actor.num_workers
@@ -344,9 +344,14 @@ class PolicyGroup:
         ray.get([a.get_version.remote() for a in self.actors])  # surface init errors here
 
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
-        n = len(self.actors)
-        per = len(samples) // n
-        shards = [samples[i * per : (i + 1) * per] for i in range(n)]
+        # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
+        n, n_mini = len(self.actors), self.cfg.train.mini_batches
+        per_mini = len(samples) // n_mini
+        per_rank = per_mini // n
+        shards = [
+            [s for m in range(n_mini) for s in samples[m * per_mini + r * per_rank : m * per_mini + (r + 1) * per_rank]]
+            for r in range(n)
+        ]
         results = ray.get([a.train_step.remote(s, step) for a, s in zip(self.actors, shards)])
         merged = {k: _mean([r[k] for r in results if k in r]) for k in results[0]}
         merged["loss/policy"] = sum(r["loss/policy"] for r in results)
