@@ -74,3 +74,25 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
     assert [x["step"] for x in lines] == [0, 1, 2]
     for key in ("entropy/seq_mean", "cov/max", "loss/kl_cov_frac", "reward/mean", "time/step"):
         assert key in lines[-1]
+    assert_documented({k for line in lines for k in line if k != "step"})
+
+
+def documented_metrics() -> tuple[set[str], list[str]]:
+    """Keys in the first column of docs/metrics.md; `<name>` parts become prefix patterns."""
+    import re
+
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    exact, prefixes = set(), []
+    for cell in re.findall(r"^\| (`[^|]+`) \|", text, flags=re.M):
+        for key in re.findall(r"`([^`]+)`", cell):
+            if "<" in key:
+                prefixes.append(key.split("<")[0])
+            else:
+                exact.add(key)
+    return exact, prefixes
+
+
+def assert_documented(keys) -> None:
+    exact, prefixes = documented_metrics()
+    missing = [k for k in keys if k not in exact and not any(k.startswith(p) for p in prefixes)]
+    assert not missing, f"metrics logged but not defined in docs/metrics.md: {missing}"

@@ -1,0 +1,93 @@
+import dataclasses
+
+import pytest
+
+from entropy_openrlhf.config import Config, ConfigError, build_parser, from_args, validate
+from entropy_openrlhf.presets import PIPELINES, PRESETS
+
+
+def test_dotted_flags_set_nested_fields_with_types():
+    cfg = from_args(
+        ["--actor.lr", "3e-6", "--loss.kl_cov.ratio", "0.002", "--async.max_staleness", "0", "--pretrain", "/m",
+         "--data.apply_chat_template", "false", "--actor.adam_betas", "0.9,0.95"]
+    )  # fmt: skip
+    assert cfg.actor.lr == 3e-6
+    assert cfg.loss.kl_cov.ratio == 0.002
+    assert cfg.async_.max_staleness == 0 and not cfg.is_async
+    assert cfg.model.pretrain == "/m"
+    assert cfg.data.apply_chat_template is False
+    assert cfg.actor.adam_betas == [0.9, 0.95]
+
+
+def test_order_defaults_then_pipeline_then_preset_then_flags():
+    cfg = from_args(["--preset", "smoke", "--train.num_steps", "7"], PIPELINES["clip_cov"])
+    assert cfg.loss.type == "clip_cov" and cfg.loss.clip_low == 1.0  # pipeline
+    assert cfg.model.pretrain == "tiny"  # preset
+    assert cfg.train.num_steps == 7  # flag beats preset
+
+
+def test_paper_presets_carry_the_paper_ratios():
+    seven = from_args(["--preset", "qwen2.5-7b-dapo"], PIPELINES["kl_cov"])
+    big = from_args(["--preset", "qwen2.5-32b-dapo"], PIPELINES["kl_cov"])
+    assert seven.loss.kl_cov.ratio == 2e-3 and big.loss.kl_cov.ratio == 2e-4
+    for cfg in (seven, big):
+        assert cfg.loss.kl_cov.coef == 1.0 and cfg.actor.lr == 1e-6 and cfg.train.mini_batches == 8
+        assert cfg.rollout.batch_size == 256 and cfg.rollout.n_samples_per_prompt == 8
+        assert cfg.rollout.max_new_tokens == 8192 and cfg.algo.kl_coef == 0.0
+        validate(cfg)
+    clip = from_args(["--preset", "qwen2.5-7b-dapo"], PIPELINES["clip_cov"])
+    assert (clip.loss.clip_low, clip.loss.clip_high, clip.loss.clip_cov.ratio) == (1.0, 1.0, 2e-4)
+
+
+def test_unknown_flag_and_preset_are_named():
+    with pytest.raises(SystemExit):
+        from_args(["--actor.lrr", "1"])
+    with pytest.raises(ValueError, match="--preset 'nope'"):
+        from_args(["--preset", "nope"])
+
+
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("loss.kl_cov.ratio", 0.0, "--loss.kl_cov.ratio"),
+        ("loss.kl_cov.ratio", 1.5, "--loss.kl_cov.ratio"),
+        ("loss.clip_cov.ratio", -1e-4, "--loss.clip_cov.ratio"),
+        ("actor.lr", -1e-6, "--actor.lr"),
+        ("async.max_staleness", -1, "--async.max_staleness"),
+        ("loss.type", "dpo", "--loss.type"),
+        ("loss.scope", "rank", "--loss.scope"),
+        ("train.mini_batches", 3, "--train.mini_batches"),
+        ("algo.advantage", "gae", "--algo.advantage"),
+    ],
+)
+def test_out_of_range_values_name_the_flag(flag, value, needle):
+    cfg = from_args([])
+    from entropy_openrlhf.config import set_by_path
+
+    set_by_path(cfg, flag, value)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_kl_cov_with_one_optimizer_step_warns_that_it_is_plain_policy_gradient():
+    cfg = from_args(["--train.mini_batches", "1"], PIPELINES["kl_cov"])
+    with pytest.warns(UserWarning, match="plain policy gradient"):
+        notes = validate(cfg)
+    assert notes
+    ok = from_args(["--train.mini_batches", "2"], PIPELINES["kl_cov"])
+    assert not [n for n in validate(ok) if "plain policy gradient" in n]
+
+
+def test_help_lists_every_field():
+    text = build_parser().format_help()
+    keys = list(Config().flatten())
+    assert len(keys) > 50
+    for key in keys:
+        assert f"--{key}" in text
+
+
+def test_flatten_is_flat_and_complete():
+    flat = Config().flatten()
+    assert flat["loss.kl_cov.coef"] == 1.0 and flat["async.max_staleness"] == 1
+    assert not any(dataclasses.is_dataclass(v) for v in flat.values())
+    assert all(name in PRESETS for name in ("smoke", "qwen2.5-7b-dapo", "qwen2.5-32b-dapo"))
