@@ -125,6 +125,7 @@ class TrainConfig:
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
     output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
     save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir/checkpoints")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient")
 
 

@@ -367,6 +367,9 @@ class PolicyGroup:
     def save_checkpoint(self, path: str, tag: str) -> None:
         ray.get([a.save_checkpoint.remote(path, tag) for a in self.actors])
 
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        ray.get([a.load_checkpoint.remote(path, tag) for a in self.actors])
+
     def forward_log_probs(self, prompt_ids, response_ids):
         return ray.get(self.actors[0].forward_log_probs.remote(prompt_ids, response_ids))
 

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
     trainer = Trainer(cfg, model_path, train_items, test_items)
     try:
         trainer.start_groups()
-        history = trainer.run(tracker)
+        start_step = trainer.resume() if cfg.train.resume else 0
+        history = trainer.run(tracker, start_step=start_step)
         final = Path(cfg.train.output_dir) / "final"
         trainer.policy.save_hf(str(final))
         print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")

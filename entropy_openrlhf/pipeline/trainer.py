@@ -9,9 +9,12 @@ sync always happens between two generations and never races one.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import queue
 import random
+import shutil
 import threading
 import time
 import traceback
@@ -27,6 +30,7 @@ class Batch:
     step: int
     groups: list[list[Sample]]  # one list of n responses per prompt
     metrics: dict[str, float]
+    stream_after: tuple[int, int] = (0, 0)  # prompt-stream position after this batch: where a resume continues
 
 
 class PromptStream:
@@ -193,7 +197,7 @@ class Trainer:
             for s, lp in zip(flat, ref):
                 s.metadata = {**s.metadata, "ref_log_probs": lp}
             metrics["time/reference"] = time.time() - t0
-        return Batch(step, groups, metrics)
+        return Batch(step, groups, metrics, (self.stream.epoch, self.stream.offset))
 
     def _maybe_evaluate(self) -> None:
         cfg = self.cfg
@@ -326,7 +330,7 @@ class Trainer:
                     stale=f"{metrics['async/staleness_mean']:.1f}",
                 )
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-                    self.save(step + 1)
+                    self.save(step + 1, batch.stream_after)
         finally:
             self.stop.set()
             with self.cond:
@@ -334,12 +338,43 @@ class Trainer:
             producer.join(timeout=60)
         return history
 
-    def save(self, version: int) -> Path:
-        out = Path(self.cfg.train.output_dir) / "checkpoints"
-        self.policy.save_checkpoint(str(out / "deepspeed"), tag=f"step{version}")
-        hf = out / f"step{version}_hf"
-        self.policy.save_hf(str(hf))
-        return hf
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, version: int, stream_after: tuple[int, int]) -> Path:
+        """Write checkpoints/step<N>: DeepSpeed state (weights, optimizer), an HF export and the trainer state.
+        Written under a temporary name and renamed when complete, so a half-written one is never picked."""
+        root = Path(self.cfg.train.output_dir) / "checkpoints"
+        final, tmp = root / f"step{version}", root / f".tmp-step{version}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        self.policy.save_hf(str(tmp / "hf"))
+        state = {"step": version, "stream_epoch": stream_after[0], "stream_offset": stream_after[1]}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint; returns the step to continue from (0 when there is none)."""
+        ckpt = latest_checkpoint(Path(self.cfg.train.output_dir) / "checkpoints")
+        if ckpt is None:
+            return 0
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
+        self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
+        self.stream._order = self.stream._make_order()
+        step = int(state["step"])
+        # the engines start from the initial model: hand them the checkpoint's weights before the first batch
+        self.pending_weights = (step, self.policy.export_weights())
+        print(f"[entropy-openrlhf] resumed from {ckpt} at step {step}", flush=True)
+        return step
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the highest step; temporary (half-written) folders are ignored."""
+    done = [p for p in root.glob("step*") if (p / "trainer_state.json").exists()] if root.exists() else []
+    return max(done, key=lambda p: int(p.name[4:]), default=None)
 
 
 def summarize(history: list[dict[str, float]], startup_s: float) -> str:
