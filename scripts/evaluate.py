@@ -1,0 +1,71 @@
+"""Evaluate a model on jsonl test sets with the paper's protocol: avg@k sampled at T=0.6 for data sources named
+aime / aime25 / amc, greedy pass@1 for every other source. Prints a table per source and the average.
+
+    .venv/bin/python scripts/evaluate.py --pretrain outputs/run/final --data.test aime24.jsonl,math500.jsonl \\
+        --eval.n_samples 32 --rollout.max_new_tokens 8192
+
+Takes the trainer's flags (dotted, see --help); several test files are separated by commas.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import entropy_openrlhf  # noqa: F401  (keeps a local Ray on loopback)
+from entropy_openrlhf.config import ConfigError, from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
+    from transformers import AutoTokenizer
+
+    from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
+    from entropy_openrlhf.pipeline.main import resolve_data, resolve_model
+    from rewards import VerifierLoadError, load_verifier
+
+    try:
+        load_verifier(cfg.reward.verifier)
+        model_path = resolve_model(cfg)
+        paths = [p for p in cfg.data.test.split(",") if p] or [resolve_data(cfg)[1]]
+        for p in paths:
+            validate_dataset(p, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        items = []
+        for p in paths:
+            items += load_prompts(
+                p, tokenizer=tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
+                apply_chat_template=cfg.data.apply_chat_template, system_prompt=cfg.data.system_prompt or None,
+                max_samples=cfg.eval.max_samples or None,
+            )  # fmt: skip
+    except (ConfigError, DatasetError, VerifierLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from entropy_openrlhf.actors.reward import RewardGroup
+    from entropy_openrlhf.actors.rollout import RolloutGroup
+    from entropy_openrlhf.cluster import init_ray
+    from entropy_openrlhf.pipeline.evaluation import evaluate
+
+    started = init_ray(cfg.ray.num_cpus)
+    rollout = RolloutGroup(model_path, num_engines=cfg.rollout.num_engines, seed=cfg.train.seed,
+                           max_model_len=cfg.rollout.max_model_len)  # fmt: skip
+    reward = RewardGroup(cfg.reward.verifier, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    try:
+        result = evaluate(rollout, reward, items, cfg)
+    finally:
+        rollout.shutdown()
+        reward.shutdown()
+        if started:
+            ray.shutdown()
+    print(f"{'source':<24} {'acc':>8}")
+    for key, value in result.items():
+        if key.endswith("/acc") and key != "eval/acc":
+            print(f"{key[5:-4]:<24} {value:8.4f}")
+    print(f"{'average':<24} {result.get('eval/acc', float('nan')):8.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
