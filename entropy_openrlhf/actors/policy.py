@@ -77,7 +77,8 @@ class PolicyActor:
             "gradient_accumulation_steps": self.micro_per_step,
             "gradient_clipping": cfg.actor.grad_clip,
             "zero_optimization": {"stage": cfg.actor.zero_stage},
-            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            # with check_grad_overflow DeepSpeed skips bf16 steps with non-finite gradients (fp32 ZeRO does by default)
+            "bf16": {"enabled": self.dtype == torch.bfloat16, "check_grad_overflow": True},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
@@ -240,23 +241,24 @@ class PolicyActor:
 
                     kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
                     loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, cfg.loss.agg, normalizer, self.world_size)
-                if not torch.isfinite(loss):
-                    skipped += 1
-                    loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the accumulation boundary in step on all ranks
                 # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
                 self.engine.backward(loss, scale_wrt_gas=False)
                 self.engine.step()
                 add("loss/policy", out.loss.item())
                 for k, v in out.metrics.items():
                     add(f"loss/{k}" if not k.startswith("cov_") else f"cov/{k[4:]}", v)
-            grad_norm = self.engine.get_global_grad_norm()
-            if grad_norm is not None:
-                add("train/grad_norm", float(grad_norm))
+            # DeepSpeed skips an optimizer step whose gradient norm is NaN/Inf and leaves the weights as they were
+            if not self.engine.was_step_applied():
+                skipped += 1
+            else:
+                grad_norm = self.engine.get_global_grad_norm()
+                if grad_norm is not None:
+                    add("train/grad_norm", float(grad_norm))
         self.version += 1
         result = {k: _mean(v) for k, v in metrics.items()}
         # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
         result["loss/policy"] = _mean(metrics.get("loss/policy", [])) * micro_per_mini / self.world_size
-        result["train/nonfinite_losses"] = float(skipped)
+        result["train/skipped_steps"] = float(skipped)
         result["train/lr"] = float(self.engine.optimizer.param_groups[0]["lr"])
         result["time/train_actor"] = time.time() - t0
         result["train/tokens"] = float(sum(float(b.mask.sum()) for b in batches))

@@ -309,11 +309,12 @@ class Trainer:
                     metrics.update({k: v for k, v in result.items()})
                     metrics["eval/policy_version"] = float(version)
                 self.eval_results.clear()
-                if train_metrics.get("train/nonfinite_losses", 0) > 0:
+                if train_metrics.get("train/skipped_steps", 0) > 0:
                     nonfinite_run += 1
                     if nonfinite_run >= cfg.train.max_nonfinite_steps:
                         raise RuntimeError(
-                            f"{nonfinite_run} consecutive steps had a non-finite loss; stopping at step {step}. "
+                            f"{nonfinite_run} consecutive RL steps had optimizer steps skipped for a non-finite loss "
+                            f"or gradient; stopping at step {step} (--train.max_nonfinite_steps). "
                             "Lower --actor.lr or check the rewards and the model dtype."
                         )
                 else:

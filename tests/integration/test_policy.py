@@ -78,3 +78,25 @@ def test_global_selection_scope_trains_across_ranks(ray_cluster, tiny_model):
     assert all(torch.isfinite(w).all() for w in weights.values())
     # 10 % of the valid tokens of each mini-batch, selected once over both ranks
     assert metrics[1]["loss/kl_cov_frac"] == pytest.approx(0.1, abs=0.05)
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_model):
+    cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"], {"loss.type": "ppo"})
+    group = PolicyGroup(cfg, tiny_model)
+    try:
+        before = group.export_weights()
+        poisoned = fixed_batch()
+        poisoned[0].advantage = float("nan")  # lands in mini-batch 0 only
+        metrics = group.train_step(poisoned, 0)
+        after_bad = group.export_weights()
+        assert metrics["train/skipped_steps"] == 1.0  # mini-batch 0 skipped, mini-batch 1 applied
+        assert all(torch.isfinite(w).all() for w in after_bad.values())
+        poisoned = [s for s in fixed_batch()]
+        for s in poisoned:
+            s.advantage = float("nan")
+        metrics = group.train_step(poisoned, 1)
+        assert metrics["train/skipped_steps"] == 2.0
+        after_all_bad = group.export_weights()
+        assert all(torch.equal(after_bad[k], after_all_bad[k]) for k in before)  # nothing moved
+    finally:
+        group.shutdown()
