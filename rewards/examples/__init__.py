@@ -1,0 +1,1 @@
+"""Example custom verifiers, loadable with `--reward.verifier rewards.examples.<module>:<function>`."""
