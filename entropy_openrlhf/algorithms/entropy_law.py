@@ -9,11 +9,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import curve_fit
+from scipy.optimize import OptimizeWarning, curve_fit
 
 
 @dataclass
@@ -45,9 +46,14 @@ def fit_entropy_law(entropy: np.ndarray, perf: np.ndarray) -> EntropyLawFit:
     h, r = h[keep], r[keep]
     if h.size < 2:
         raise ValueError(f"need at least 2 finite (entropy, accuracy) points to fit, got {h.size}")
+    if np.unique(h).size < 2:
+        raise ValueError(f"all {h.size} points have the same entropy {h[0]:g}: a and b cannot be separated")
     design = np.stack([-np.exp(h), np.ones_like(h)], axis=1)
     (a0, b0), *_ = np.linalg.lstsq(design, r, rcond=None)
-    (a, b), _ = curve_fit(_law, h, r, p0=(a0, b0), maxfev=10_000)
+    with warnings.catch_warnings():
+        # with 2 points (an exact fit) scipy cannot estimate the parameter covariance; it is not used here
+        warnings.simplefilter("ignore", OptimizeWarning)
+        (a, b), _ = curve_fit(_law, h, r, p0=(a0, b0), maxfev=10_000)
     rmse = float(math.sqrt(np.mean((_law(h, a, b) - r) ** 2)))
     return EntropyLawFit(float(a), float(b), rmse, int(h.size))
 
