@@ -109,6 +109,7 @@ def gold_answer(label: str) -> str:
 
 def grade(pred: str, golds: list[str]) -> str | None:
     """Name of the first test that finds `pred` equal to one of `golds`, else None. No deadline of its own."""
+    pred_parsed = None
     for gold in golds:
         if normalize(pred) == normalize(gold):
             return "string"
@@ -117,9 +118,15 @@ def grade(pred: str, golds: list[str]) -> str | None:
             if numbers_close(a, b):
                 return "numeric"
             continue  # both are plain numbers: nothing symbolic left to try
-        if _math_verify_equal(pred, gold):
+        if pred_parsed is None:
+            pred_parsed = _parse(pred)
+        gold_parsed = _parse_gold(gold)
+        if not pred_parsed or not gold_parsed:
+            continue
+        if _verify(gold_parsed, pred_parsed):
             return "math_verify"
-        if _parsed_numbers_close(pred, gold):
+        x, y = _as_fraction(gold_parsed[0]), _as_fraction(pred_parsed[0])  # e.g. `\\sqrt{2}` vs `1.4142136`
+        if x is not None and y is not None and numbers_close(x, y):
             return "numeric"
     return None
 
@@ -131,7 +138,7 @@ def numbers_close(a: Fraction, b: Fraction) -> bool:
     return abs(a - b) <= REL_TOL * max(abs(a), abs(b))
 
 
-_parse_cache: dict[str, list] = {}
+_gold_cache: dict[str, list] = {}
 _warm = False
 
 
@@ -146,37 +153,30 @@ def _warm_up() -> None:
 
     # we pass parsing_timeout=None / timeout_seconds=None on purpose (our own deadline): mute the one-time warning
     math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
-    _math_verify_equal("\\frac{1}{2}", "0.5")
+    _verify(_parse("\\frac{1}{2}"), _parse("0.5"))
     _warm = True
 
 
 def _parse(expr: str) -> list:
-    # math-verify's own timeouts use signal.alarm and raise in threads; the caller's deadline replaces them
+    # math-verify's own timeouts use signal.alarm, which raises off the main thread; the caller's deadline rules
     from math_verify import parse
 
-    if expr not in _parse_cache:
-        if len(_parse_cache) > 4096:
-            _parse_cache.clear()
-        _parse_cache[expr] = parse(f"${expr}$", parsing_timeout=None)
-    return _parse_cache[expr]
+    return parse(f"${expr}$", parsing_timeout=None)
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool:
+def _parse_gold(gold: str) -> list:
+    # a prompt's label comes back with each of its n responses: parse it once
+    if gold not in _gold_cache:
+        if len(_gold_cache) > 4096:
+            _gold_cache.clear()
+        _gold_cache[gold] = _parse(gold)
+    return _gold_cache[gold]
+
+
+def _verify(gold_parsed: list, pred_parsed: list) -> bool:
     from math_verify import verify
 
-    gold_parsed, pred_parsed = _parse(gold), _parse(pred)
-    if not gold_parsed or not pred_parsed:
-        return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
-
-
-def _parsed_numbers_close(pred: str, gold: str) -> bool:
-    """Numeric equality of math-verify's parses (e.g. `\\sqrt{2}` vs `1.4142136`), when both are real numbers."""
-    gold_parsed, pred_parsed = _parse(gold), _parse(pred)
-    if not gold_parsed or not pred_parsed:
-        return False
-    a, b = _as_fraction(gold_parsed[0]), _as_fraction(pred_parsed[0])
-    return a is not None and b is not None and numbers_close(a, b)
 
 
 def _as_fraction(expr: Any) -> Fraction | None:
