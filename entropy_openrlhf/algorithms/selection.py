@@ -30,24 +30,32 @@ class MicroBatch:
     mask: torch.Tensor
 
 
-def _gather_rows(local: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
-    """All-gather a (k, n_local) tensor whose n_local differs by rank.
+def _comm_device(group=None) -> torch.device:
+    """Where the collective's tensors must live: NCCL moves only CUDA tensors, gloo (and the rest) CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
-    Returns the (k, n_total) concatenation in rank order and where this rank's columns start in it.
+
+def _gather_rows(local: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
+    """All-gather a (k, n_local) CPU tensor whose n_local differs by rank.
+
+    Returns the (k, n_total) concatenation in rank order (on CPU) and where this rank's columns start in it.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return local, 0
     world = dist.get_world_size(group)
-    size = torch.tensor([local.shape[1]], dtype=torch.long)
+    device = _comm_device(group)
+    size = torch.tensor([local.shape[1]], dtype=torch.long, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(local.shape[0], longest, dtype=local.dtype)
-    padded[:, : local.shape[1]] = local
+    counts = [int(s.item()) for s in sizes]
+    padded = torch.zeros(local.shape[0], max(counts), dtype=local.dtype, device=device)
+    padded[:, : local.shape[1]] = local.to(device)
     parts = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    offset = int(sum(s.item() for s in sizes[: dist.get_rank(group)]))
-    return torch.cat([p[:, : int(s.item())] for p, s in zip(parts, sizes, strict=True)], dim=1), offset
+    offset = sum(counts[: dist.get_rank(group)])
+    return torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1).cpu(), offset
 
 
 def global_selection(
