@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # extra wall time a batch gets beyond 2x its per-sample deadlines before the group declares the worker stuck
 STUCK_GRACE_S = 30.0
+# how long a restarting worker may take before the group goes on without it
+RESTART_LIMIT_S = 120.0
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)  # retries are the group's: it knows which batch died
@@ -126,6 +128,11 @@ class RewardGroup:
                 results[start] = failed_result(error=None if stuck else reason, timed_out=stuck)
 
         while queue or running:
+            if not free and not running:  # every worker is gone: fail what is left rather than wait forever
+                for start, end, _ in queue:
+                    for i in range(start, end):
+                        results[i] = failed_result(error="no verifier worker left")
+                break
             while queue and free:
                 start, end, attempt = queue.popleft()
                 w = free.pop(0)
@@ -135,9 +142,9 @@ class RewardGroup:
             done, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
             for ref in done:
                 w, start, end, attempt, _ = running.pop(ref)
-                free.append(w)
                 try:
                     results[start:end] = ray.get(ref)
+                    free.append(w)
                 except Exception as e:  # noqa: BLE001 - worker died, or the batch could not be sent back
                     first_line = (str(e).splitlines() or [""])[0][:300]
                     where = f"samples {start}-{end - 1}, attempt {attempt + 1}"
@@ -145,6 +152,8 @@ class RewardGroup:
                     failed(
                         start, end, attempt, f"the verifier worker failed twice on it: {type(e).__name__}", stuck=False
                     )
+                    if self._wait_alive(w):
+                        free.append(w)
             now = time.monotonic()
             for ref, (w, start, end, attempt, deadline) in list(running.items()):
                 if now >= deadline:
@@ -153,10 +162,26 @@ class RewardGroup:
                         "reward worker %d stuck on samples %d-%d for %.0f s: restart", w, start, end - 1, budget
                     )
                     running.pop(ref)
-                    ray.kill(self.workers[w], no_restart=False)  # Ray restarts it; queued calls wait for that
-                    free.append(w)
+                    ray.kill(self.workers[w], no_restart=False)
                     failed(start, end, attempt, "", stuck=True)
+                    if self._wait_alive(w):
+                        free.append(w)
         return results  # type: ignore[return-value]
+
+    def _wait_alive(self, w: int) -> bool:
+        """Block until Ray has restarted worker `w`: a task sent to a restarting actor fails without running, and
+        would be blamed on an innocent batch."""
+        give_up = time.monotonic() + RESTART_LIMIT_S
+        while time.monotonic() < give_up:
+            try:
+                ray.get(self.workers[w].ready.remote(), timeout=max(0.1, give_up - time.monotonic()))
+                return True
+            except ray.exceptions.RayActorError:
+                time.sleep(0.2)
+            except ray.exceptions.GetTimeoutError:
+                break
+        logger.error("reward worker %d is not back after %.0f s; going on without it", w, RESTART_LIMIT_S)
+        return False
 
     def _metrics(self, results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
         rewards = [r["reward"] for r in results]

@@ -238,3 +238,19 @@ def test_load_error_is_raised_in_the_driver(ray_cluster, tmp_path):
 
     with pytest.raises(VerifierLoadError, match="has no function 'nope'"):
         RewardGroup("rewards.math:nope", num_workers=1)
+
+
+def test_a_verifier_that_loads_in_the_driver_but_not_in_a_worker(ray_cluster, tmp_path):
+    from entropy_openrlhf.actors.reward import RewardGroup
+    from rewards import VerifierLoadError
+
+    path = tmp_path / "driver_only.py"
+    path.write_text(
+        "import ray\n"
+        "if ray.is_initialized() and ray.get_runtime_context().get_actor_id():\n"
+        "    raise ImportError('a dependency missing on the workers')\n"
+        "def verify(response, label, **kw):\n"
+        "    return 1.0\n"
+    )
+    with pytest.raises(VerifierLoadError, match="does not load in a worker: .*a dependency missing on the workers"):
+        RewardGroup(f"{path}:verify", num_workers=1)
