@@ -5,8 +5,8 @@
 2. Correct if any test passes, cheapest first: normalised string equality (Hendrycks-style), plain numeric
    equality, math-verify's symbolic equivalence (gold wrapped in `$...$`), numeric equality of the parsed
    expressions. Numbers are equal within 1e-6 relative.
-3. The whole comparison runs under one deadline (default 5 s; rewards.deadline), on a main thread or in any thread.
-   A timeout scores 0 with `timed_out: True`; so does `2003^{2002^{2001}}`.
+3. The symbolic tests run under one deadline (default 5 s; rewards.deadline), on a main thread or in any thread;
+   the plain ones are linear-time string work. A timeout scores 0 with `timed_out: True` (`2003^{2002^{2001}}`).
 """
 
 from __future__ import annotations
