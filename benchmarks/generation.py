@@ -132,15 +132,16 @@ def main() -> int:
     elif not model_path:
         from entropy_openrlhf.models.tiny import make_tiny_model
 
-        model_path = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny_model_")))
+        tmp = tempfile.TemporaryDirectory(prefix="tiny_model_")  # removed when the process ends
+        model_path = str(make_tiny_model(tmp.name))
     dtype = resolve_dtype(args.dtype, model_path)
     if dtype == "auto":
         dtype = "float32"
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = make_prompts(tokenizer, args.prompts)
     rows = []
     try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompts = make_prompts(tokenizer, args.prompts)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         rows.append(("transformers generate", *time_hf(model, tokenizer, prompts, args)))
         del model
