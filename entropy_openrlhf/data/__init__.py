@@ -1,0 +1,1 @@
+"""Prompt datasets: the loader for user files (jsonl, parquet, saved HF datasets) and the built-in arithmetic task."""
