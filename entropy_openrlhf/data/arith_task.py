@@ -50,12 +50,12 @@ SYSTEM_PROMPT = (
 )
 # (question, equation, answer, arithmetic key): shown before every question, never asked in either split
 EXAMPLES = [
-    ("Ben has 5 marbles. He wins 3 more. How many marbles does Ben have now?", "5 + 3 = 8", 8, (1, "+", 5, 3)),
+    ("Ben has 5 marbles. He wins 3 more. How many marbles does Ben have now?", "5 + 3 = 8", 8, (1, "+", 3, 5)),
     ("A shop had 9 hats. It sold 4 of them. How many hats are left in the shop?", "9 - 4 = 5", 5, (1, "-", 9, 4)),
     ("Lily has 3 bags with 6 beads in each bag. How many beads does Lily have in all?", "3 x 6 = 18", 18,
      (3, "*", 3, 6)),
     ("There are 24 fish in a pond. Kim puts 5 more in. How many fish are in the pond now?", "24 + 5 = 29", 29,
-     (2, "+", 24, 5)),
+     (2, "+", 5, 24)),
     ("Omar had 7 pens and lost 2. How many pens does Omar have now?", "7 - 2 = 5", 5, (1, "-", 7, 2)),
     ("Jo has 4 cups. She gets 6 more, then gives 3 to a friend. How many cups does Jo have now?", "4 + 6 - 3 = 7", 7,
      (3, "+-", 4, 6, 3)),
@@ -121,9 +121,12 @@ def _two_step_text(rng: random.Random, a: int, b: int, c: int) -> str:
     )
 
 
+# Keys list the operands of + and x sorted: 3 + 5 and 5 + 3 are one problem, never in both splits.
+
+
 def _add_or_sub(rng: random.Random, level: int, a: int, b: int) -> tuple[tuple, str, int]:
     if rng.random() < 0.5:
-        return (level, "+", a, b), _add_text(rng, a, b), a + b
+        return (level, "+", min(a, b), max(a, b)), _add_text(rng, a, b), a + b
     a, b = max(a, b), min(a, b)
     return (level, "-", a, b), _sub_text(rng, a, b), a - b
 
@@ -137,10 +140,10 @@ def _problem(rng: random.Random, level: int) -> tuple[tuple, str, int]:
     if level == 3:
         if rng.random() < 0.5:
             a, b = rng.randint(2, 9), rng.randint(2, 9)
-            return (level, "*", a, b), _mul_text(rng, a, b), a * b
+            return (level, "*", min(a, b), max(a, b)), _mul_text(rng, a, b), a * b
         a, b = rng.randint(2, 9), rng.randint(1, 9)
-        c = rng.randint(1, a + b)
-        return (level, "+-", a, b, c), _two_step_text(rng, a, b, c), a + b - c
+        c = rng.randint(1, min(9, a + b))
+        return (level, "+-", min(a, b), max(a, b), c), _two_step_text(rng, a, b, c), a + b - c
     if level == 4:
         return _add_or_sub(rng, level, rng.randint(10, 99), rng.randint(10, 99))
     raise ValueError(f"unknown level {level}; levels are {LEVELS}")
