@@ -17,9 +17,9 @@ from entropy_openrlhf.config import ConfigError, from_args
 
 def main(argv: list[str] | None = None) -> int:
     cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
-    from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
     from transformers import AutoTokenizer
 
+    from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
     from entropy_openrlhf.pipeline.main import resolve_data, resolve_model
     from rewards import VerifierLoadError, load_verifier
 
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import ray
+
     from entropy_openrlhf.actors.reward import RewardGroup
     from entropy_openrlhf.actors.rollout import RolloutGroup
-
     from entropy_openrlhf.cluster import init_ray
     from entropy_openrlhf.pipeline.evaluation import evaluate
 
