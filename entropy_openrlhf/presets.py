@@ -49,7 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.batch_size": 4,
         "rollout.n_samples_per_prompt": 4,
         "rollout.max_new_tokens": 24,
-        "rollout.max_model_len": 512,
+        "rollout.max_model_len": 1024,
         "train.num_steps": 2,
         "train.mini_batches": 2,
         "actor.micro_batch_size": 4,

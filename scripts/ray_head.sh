@@ -18,13 +18,24 @@ start)
         --dashboard-port="$dash" --ray-client-server-port=$((gcs + 1)) --min-worker-port=20000 --max-worker-port=29999 \
         --num-cpus=16 --object-store-memory=1000000000 --temp-dir="$tmp" --disable-usage-stats >"$tmp/start.log" 2>&1 \
         || { cat "$tmp/start.log"; exit 1; }
+    echo "$gcs" >"$tmp/gcs_port"
     echo "Ray head on 127.0.0.1:$gcs, dashboard http://127.0.0.1:$dash"
     ;;
 stop)
-    # every process of this head carries its temp dir on its command line
-    pkill -f -- "$tmp" 2>/dev/null || true
-    for _ in 1 2 3 4 5; do pgrep -f -- "$tmp" >/dev/null || break; sleep 1; done
-    pkill -9 -f -- "$tmp" 2>/dev/null || true
+    # The head's own processes name its temp dir (or its GCS port) on their command lines; its workers and agents
+    # rename themselves ray::..., so they are found as descendants. The patterns never match this script.
+    gcs=$(cat "$tmp/gcs_port" 2>/dev/null || echo none)
+    roots=$(pgrep -f -- "(temp[-_]dir=|session_dir=|log[-_]dir=|logs-dir=)$tmp|$tmp/session_|client.server --address=127.0.0.1:$gcs " || true)
+    pids=$(ps -eo pid=,ppid= | awk -v roots="$roots" '
+        BEGIN { n = split(roots, r); for (i = 1; i <= n; i++) keep[r[i]] = 1 }
+        { parent[$1] = $2 }
+        END { do { grown = 0; for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; grown = 1 } } while (grown)
+              for (p in keep) if (p in parent) print p }' | paste -sd, -)
+    if [ -n "$pids" ]; then
+        kill ${pids//,/ } 2>/dev/null || true
+        for _ in $(seq 20); do ps -p "$pids" >/dev/null || break; sleep 0.5; done
+        kill -9 ${pids//,/ } 2>/dev/null || true
+    fi
     rm -rf "$tmp"
     ;;
 *) echo "usage: $0 start|stop TMPDIR [DASHBOARD_PORT GCS_PORT]" >&2; exit 2 ;;

@@ -73,7 +73,28 @@ def prepare(cfg: Config):
     )
     train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
     test_items = load_prompts(test_path, max_samples=cfg.eval.max_samples or None, **kw) if test_path else []
+    check_prompt_lengths(train_path, train_items, tokenizer, cfg)
+    check_prompt_lengths(test_path, test_items, tokenizer, cfg)
     return model_path, train_items, test_items
+
+
+def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None:
+    """A prompt the engine would reject must fail now, naming its row, not minutes later inside vLLM."""
+    limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    if limit <= 0:
+        raise ConfigError(
+            f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+            f"--rollout.max_model_len {cfg.rollout.max_model_len}"
+        )
+    # the engine tokenizes the templated text the same way: no special tokens added
+    lengths = [len(ids) for ids in tokenizer([it.prompt for it in items], add_special_tokens=False)["input_ids"]]
+    for item, n in zip(items, lengths):
+        if n > limit:
+            raise ConfigError(
+                f"{path}: row {item.index}: the prompt is {n} tokens, more than --rollout.max_model_len "
+                f"{cfg.rollout.max_model_len} minus --rollout.max_new_tokens {cfg.rollout.max_new_tokens}; "
+                "raise max_model_len or shorten the prompt"
+            )
 
 
 def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
