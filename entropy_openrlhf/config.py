@@ -336,6 +336,27 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    # Ray resources: a fraction up to 1 or a whole number; a tensor-parallel vLLM engine needs a GPU per shard.
+    r, a = cfg.rollout, cfg.actor
+    for group, key in (("rollout", "num_gpus_per_engine"), ("rollout", "num_cpus_per_engine"),
+                       ("actor", "num_gpus_per_worker"), ("actor", "num_cpus_per_worker"),
+                       ("reward", "num_cpus_per_worker"), ("ref", "num_gpus"), ("ref", "num_cpus")):  # fmt: skip
+        flag, n = f"{group}.{key}", getattr(getattr(cfg, group), key)
+        need(n >= 0 and (n <= 1 or float(n).is_integer()), flag, f"{n:g}: Ray takes a fraction <= 1 or a whole number")
+    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+    need(
+        r.num_gpus_per_engine == 0 or r.num_gpus_per_engine >= r.tensor_parallel_size,
+        "rollout.tensor_parallel_size",
+        f"{r.tensor_parallel_size} needs --rollout.num_gpus_per_engine >= {r.tensor_parallel_size} (one GPU per "
+        f"shard), got {r.num_gpus_per_engine:g}",
+    )
+    if a.num_gpus_per_worker > 1 or r.num_gpus_per_engine > max(r.tensor_parallel_size, 1):
+        notes.append("--actor.num_gpus_per_worker above 1 or --rollout.num_gpus_per_engine above "
+                     "--rollout.tensor_parallel_size reserves GPUs that stay idle: a DeepSpeed rank uses one GPU "
+                     "and a vLLM engine tensor_parallel_size of them")  # fmt: skip
+    if (r.num_gpus_per_engine > 0) != (a.num_gpus_per_worker > 0):
+        notes.append("only one of --rollout.num_gpus_per_engine and --actor.num_gpus_per_worker is > 0: the other "
+                     "group gets no GPU from Ray")  # fmt: skip
     need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0")

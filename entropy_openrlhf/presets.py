@@ -1,12 +1,18 @@
-"""Named presets: `--preset NAME` on any pipeline, applied after the pipeline's own defaults and before flags."""
+"""Named presets: `--preset NAME` on any pipeline, applied after the pipeline's own defaults and before flags.
+
+`required_resources(cfg)` is what a config reserves on a Ray cluster; `python -m entropy_openrlhf.presets` prints
+the table of docs/cluster.md from it.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from entropy_openrlhf.config import Config, set_by_path
 
-# Loss settings of each pipeline (ENTROPY_SPEC.md section 4.1, "Clip ratios by run").
+# Loss settings of each pipeline (ENTROPY_SPEC.md section 4.1, "Clip ratios by run"). The PPO clip does nothing to
+# KL-Cov's loss (unclipped by design, section 2.1), so kl_cov leaves it alone.
 PIPELINES: dict[str, dict[str, Any]] = {
     "grpo": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.2},
     "clip_higher": {"loss.type": "clip_higher", "loss.clip_low": 0.2, "loss.clip_high": 0.28},
@@ -14,36 +20,60 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "kl_cov": {"loss.type": "kl_cov"},
 }
 
-# The paper's recipe (ENTROPY_SPEC.md section 4): GRPO n=8, 256 prompts per step in 8 optimizer mini-batches,
-# lr 1e-6, responses up to 8192 tokens at T=1, no KL and no entropy bonus, DAPO dynamic sampling.
+# The paper's recipe (ENTROPY_SPEC.md section 4; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
+# optimizer mini-batches of 32 prompts, lr 1e-6 constant, AdamW with no weight decay, grad clip 1, prompts up to 2048
+# and responses up to 8192 tokens at T=1 / top_p 1, no KL (no reference model) and no entropy bonus, DAPO dynamic
+# sampling with up to 10 generation rounds, token-mean loss, evaluation every 4 steps and a checkpoint every 32.
+# KL-Cov beta 1; Clip-Cov 2e-4 of the tokens with covariance bounds 1 and 5 (its PPO clip of 1 is the clip_cov
+# pipeline's). Ratios are fractions. The KL-Cov ratio differs by model size and is set below.
 _DAPO_COMMON: dict[str, Any] = {
+    # data: verl/DAPO parquet rows (a chat message list in `prompt`, the answer in reward_model.ground_truth)
+    "data.input_key": "prompt",
+    "data.label_key": "reward_model.ground_truth",
+    # algorithm
     "rollout.batch_size": 256,
     "rollout.n_samples_per_prompt": 8,
     "rollout.temperature": 1.0,
     "rollout.top_p": 1.0,
     "rollout.max_new_tokens": 8192,
-    "rollout.max_model_len": 10240,
+    "rollout.max_model_len": 2048 + 8192,  # max_prompt_length + max_response_length
     "train.mini_batches": 8,
     "actor.lr": 1e-6,
+    "actor.weight_decay": 0.0,
     "actor.grad_clip": 1.0,
-    "actor.zero_stage": 3,
-    "actor.gradient_checkpointing": True,
-    "actor.micro_batch_size": 2,
+    "algo.advantage": "grpo",
     "algo.kl_coef": 0.0,
     "algo.dynamic_sampling": True,
     "algo.max_gen_batches": 10,
-    "model.dtype": "bf16",
-    "ref.enabled": False,
+    "loss.agg": "token_mean",
+    # Covariance selection over each optimizer mini-batch on all ranks (the paper's definition). With one sequence
+    # per micro-batch (below), selecting per micro-batch would take max(1, floor(ratio x N)) of one response's N
+    # tokens: at 2e-4, one token of every response shorter than 10000, several times the paper's ratio.
+    "loss.scope": "global",
     "loss.kl_cov.coef": 1.0,
     "loss.clip_cov.ratio": 2e-4,
     "loss.clip_cov.lb": 1.0,
     "loss.clip_cov.ub": 5.0,
+    "ref.enabled": False,
     "eval.every": 4,
     "train.save_every": 32,
+    # systems: bf16, ZeRO-3 with gradient checkpointing (the recipe: FSDP with checkpointing). One sequence per
+    # micro-batch: a full-length one is 10240 tokens, and the trainer materialises its (tokens x 152k vocab)
+    # logits in fp32, about 6 GB, plus their gradient; the recipe's token budget (30720 for 7B, 20480 for 32B per
+    # GPU) relies on fused kernels this trainer does not have. Raise it when responses stay short.
+    "model.dtype": "bf16",
+    "actor.zero_stage": 3,
+    "actor.gradient_checkpointing": True,
+    "actor.micro_batch_size": 1,
+    # 2048 responses per step to verify (the fork uses a 64-process pool); a quarter CPU each (Ray's accounting)
+    # keeps the whole 7B run within the 16 logical CPUs of a local Ray (--ray.num_cpus)
+    "reward.num_workers": 16,
+    "reward.num_cpus_per_worker": 0.25,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A tiny random model made on the spot, 2 steps: the whole path (vLLM, verifier, DeepSpeed, sync, W&B) in minutes.
+    # CI runs it on CPU: no GPU is reserved and the batch stays small.
     "smoke": {
         "model.pretrain": "tiny",
         "rollout.batch_size": 4,
@@ -59,26 +89,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "loss.kl_cov.ratio": 0.02,
         "loss.clip_cov.ratio": 0.02,
     },
-    # One 8-GPU node: 4 engines x TP 2 would leave nothing to train on, so 2 engines x TP2 + 4 trainer GPUs.
+    # One 8-GPU node (80 GB GPUs): 2 vLLM engines x TP 2 (4 GPUs) + 4 DeepSpeed ranks (4 GPUs) = 8. The groups do
+    # not share GPUs. ZeRO-3 over 4 ranks holds about 30 GB of model and optimizer state per GPU.
     "qwen2.5-7b-dapo": {
         **_DAPO_COMMON,
         "loss.kl_cov.ratio": 2e-3,
         "rollout.num_engines": 2,
         "rollout.tensor_parallel_size": 2,
-        "rollout.num_gpus_per_engine": 1.0,
+        "rollout.num_gpus_per_engine": 2.0,
         "actor.num_workers": 4,
         "actor.num_gpus_per_worker": 1.0,
+        "sync.timeout_s": 900.0,  # each sync moves the full 15 GB of bf16 weights; not measured on GPUs
     },
-    # Four 8-GPU nodes: 8 engines x TP 2 (16 GPUs) and 16 trainer GPUs.
+    # Four 8-GPU nodes (80 GB GPUs): 8 vLLM engines x TP 2 (16 GPUs) + 16 DeepSpeed ranks (16 GPUs) = 32.
+    # ZeRO-3 over 16 ranks holds about 33 GB of model and optimizer state per GPU.
     "qwen2.5-32b-dapo": {
         **_DAPO_COMMON,
         "loss.kl_cov.ratio": 2e-4,
         "rollout.num_engines": 8,
         "rollout.tensor_parallel_size": 2,
-        "rollout.num_gpus_per_engine": 1.0,
+        "rollout.num_gpus_per_engine": 2.0,
         "actor.num_workers": 16,
         "actor.num_gpus_per_worker": 1.0,
-        "actor.micro_batch_size": 1,
+        "sync.timeout_s": 1800.0,  # each sync moves the full 65 GB of bf16 weights; not measured on GPUs
     },
 }
 
@@ -88,3 +121,59 @@ def apply_preset(cfg: Config, name: str) -> None:
         raise ValueError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
     for key, value in PRESETS[name].items():
         set_by_path(cfg, key, value)
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def group_resources(cfg: Config) -> dict[str, dict[str, float]]:
+    """The Ray actors of each group and the CPUs/GPUs they reserve in all. The groups never share a GPU (each is
+    its own placement group or actor), and the driver itself reserves nothing."""
+    r, a, w, ref = cfg.rollout, cfg.actor, cfg.reward, cfg.ref
+    groups = {
+        "rollout": {"actors": r.num_engines, "GPU": r.num_engines * r.num_gpus_per_engine,
+                    "CPU": r.num_engines * r.num_cpus_per_engine},
+        "policy": {"actors": a.num_workers, "GPU": a.num_workers * a.num_gpus_per_worker,
+                   "CPU": a.num_workers * a.num_cpus_per_worker},
+        "reward": {"actors": w.num_workers, "GPU": 0.0, "CPU": w.num_workers * w.num_cpus_per_worker},
+    }  # fmt: skip
+    if ref.enabled:
+        groups["reference"] = {"actors": 1, "GPU": ref.num_gpus, "CPU": ref.num_cpus}
+    return groups
+
+
+def required_resources(cfg: Config) -> dict[str, float]:
+    """{"GPU": n, "CPU": m}: what a run of `cfg` reserves on the Ray cluster, summed over its actor groups."""
+    groups = group_resources(cfg).values()
+    return {"GPU": sum(g["GPU"] for g in groups), "CPU": sum(g["CPU"] for g in groups)}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def resource_table(names: list[str], pipeline: str = "kl_cov") -> str:
+    """A markdown table of what each named preset allocates (docs/cluster.md holds its output)."""
+    lines = [
+        "| preset | vLLM engines x TP | GPUs per engine | rollout GPUs | trainer ranks x GPUs | trainer GPUs "
+        "| reference | GPUs in all | CPUs in all |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        cfg = Config()
+        for key, value in PIPELINES[pipeline].items():
+            set_by_path(cfg, key, value)
+        apply_preset(cfg, name)
+        g, total = group_resources(cfg), required_resources(cfg)
+        ref = f"on, {_num(g['reference']['GPU'])} GPU" if "reference" in g else "off"
+        lines.append(
+            f"| `{name}` | {cfg.rollout.num_engines} x {cfg.rollout.tensor_parallel_size} "
+            f"| {_num(cfg.rollout.num_gpus_per_engine)} | {_num(g['rollout']['GPU'])} "
+            f"| {cfg.actor.num_workers} x {_num(cfg.actor.num_gpus_per_worker)} | {_num(g['policy']['GPU'])} "
+            f"| {ref} | **{_num(total['GPU'])}** | {_num(total['CPU'])} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(resource_table(sys.argv[1:] or list(PRESETS)))
