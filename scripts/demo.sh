@@ -13,6 +13,6 @@ bash scripts/ray_head.sh start "$TMP" "$DASH_PORT" "${DEMO_GCS_PORT:-6390}"
 
 start=$(date +%s)
 PATH="$PWD/.venv/bin:$PATH" .venv/bin/ray job submit --address "http://127.0.0.1:$DASH_PORT" --working-dir . \
-    --runtime-env-json '{"excludes": [".venv", "outputs", "wandb", ".git"]}' -- \
+    --runtime-env-json '{"excludes": [".venv*", "outputs", "wandb", ".git"]}' -- \
     python pipelines/kl_cov.py --train.output_dir "$PWD/outputs/demo" "$@"
 echo "demo finished in $(( $(date +%s) - start )) s"

@@ -21,7 +21,7 @@ def test_ray_job_submit_kl_cov_smoke_succeeds(tmp_path):
             [
                 str(ROOT / ".venv/bin/ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}",
                 "--working-dir", ".", "--runtime-env-json",
-                json.dumps({"excludes": [".venv", "outputs", "wandb", ".git"]}), "--",
+                json.dumps({"excludes": [".venv*", "outputs", "wandb", ".git"]}), "--",
                 "python", "pipelines/kl_cov.py", "--preset", "smoke", "--train.output_dir", str(out_dir),
             ],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
