@@ -1,0 +1,228 @@
+"""Weight sync: seconds to move the policy's weights into the rollout engine(s), from a tiny model to SmolLM2-135M.
+
+For each model a real `PolicyGroup` (DeepSpeed on CPU) and a real `RolloutGroup` (vLLM engines) start on a local
+Ray, then the sync paths take turns, `--repeats` times each:
+- object store (`--sync.method object_store`, the default on CPU): the policy exports its weights to the driver
+  (`PolicyGroup.export_weights`), which puts them once in Ray's object store for every engine to reload
+  (`RolloutGroup.update_weights`); the time is export + load, as the trainer spends it;
+- collective (`--sync.method collective`, when this checkout has it): the policy's rank 0 broadcasts every tensor
+  to the engines' workers over gloo (`RolloutGroup.update_weights_collective`); the one-off group set-up is shown
+  apart.
+MB moved = the bytes of the weights (each engine receives all of them). The same run times one rollout batch of the
+demo (8 prompts x 4 samples x up to 128 tokens of the built-in task) on the same engines, and shows each sync as a
+fraction of it. After the syncs the engine's and the policy's log-probs of one response are compared: a fast sync
+that loads the wrong weights is no result.
+
+    .venv/bin/python benchmarks/weight_sync.py                           # tiny and SmolLM2-135M-Instruct
+    .venv/bin/python benchmarks/weight_sync.py --models tiny --repeats 2 # a quick check
+
+Prints a table, then `weight_sync_smollm2_s: <median seconds per sync on the CPU default path, object store>`
+(for `--models tiny` only: `weight_sync_tiny_s`) as the last line; exits non-zero when it could not measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LOGPROB_GAP = 0.5  # engine vs policy after a sync; bf16 SmolLM2 differs by ~0.05, a wrong model by several
+
+
+@dataclass
+class Result:
+    model: str
+    dtype: str
+    megabytes: float
+    generation_s: float
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # path -> seconds per sync
+    setup_s: float | None = None  # collective group set-up
+    logprob_gap: float = float("nan")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny | smollm2 | HF model folders")
+    ap.add_argument("--engines", type=int, default=1, help="rollout engines (each receives all the weights)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed syncs per path (after one warm-up)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts of the timed rollout batch")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt of the timed rollout batch")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--paths", default="auto", help="auto (every path this checkout has) | object_store | collective")
+    return ap.parse_args(argv)
+
+
+def resolve_model(name: str, tmp: str) -> str:
+    if name == "smollm2":
+        from entropy_openrlhf.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
+    if name == "tiny":
+        from entropy_openrlhf.models.tiny import make_tiny_model
+
+        return str(make_tiny_model(Path(tmp) / "tiny_model"))
+    return name
+
+
+def has_collective() -> bool:
+    """The collective path is newer than the object-store one; measure it where the checkout has it."""
+    from entropy_openrlhf.actors.rollout import RolloutGroup
+
+    return hasattr(RolloutGroup, "update_weights_collective") and hasattr(RolloutGroup, "init_collective")
+
+
+def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: str) -> Result:
+    from transformers import AutoTokenizer
+
+    from entropy_openrlhf.actors.policy import PolicyGroup
+    from entropy_openrlhf.actors.rollout import RolloutGroup
+    from entropy_openrlhf.config import from_args
+    from entropy_openrlhf.data.arith_task import write_builtin_task
+    from entropy_openrlhf.data.dataset import load_prompts
+
+    model_path = resolve_model(name, tmp)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train, _ = write_builtin_task(Path(tmp) / "data", seed=42, n_train=args.prompts, n_test=1)
+    prompts = load_prompts(train, tokenizer=tokenizer)
+    longest = max(len(ids) for ids in tokenizer([p.prompt for p in prompts], add_special_tokens=False)["input_ids"])
+    cfg = from_args(
+        [
+            "--model.pretrain", model_path,
+            "--rollout.batch_size", str(args.prompts),
+            "--rollout.n_samples_per_prompt", str(args.n),
+            "--rollout.num_engines", str(args.engines),
+            "--actor.micro_batch_size", "4",
+        ]
+    )  # fmt: skip
+    policy = PolicyGroup(cfg, model_path)
+    rollout = None
+    try:
+        rollout = RolloutGroup(
+            model_path,
+            num_engines=args.engines,
+            max_model_len=longest + args.max_new_tokens,
+            dtype="auto",
+        )
+        state = policy.export_weights()
+        megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        del state
+
+        rollout_version = [0]  # bumped by every sync
+
+        def generate() -> float:
+            t0 = time.perf_counter()
+            rollout.generate(
+                prompts, n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=0,
+                policy_version=rollout_version[0],
+            )  # fmt: skip
+            return time.perf_counter() - t0
+
+        def sync(path: str) -> float:
+            rollout_version[0] += 1
+            t0 = time.perf_counter()
+            if path == "object_store":
+                rollout.update_weights(policy.export_weights(), rollout_version[0], timeout_s=600)
+            else:
+                rollout.update_weights_collective(policy, rollout_version[0], timeout_s=600)
+            return time.perf_counter() - t0
+
+        label = name if name in ("tiny", "smollm2") else Path(name).name
+        result = Result(label, dtype, megabytes, generation_s=0.0)
+        if "collective" in paths:
+            t0 = time.perf_counter()
+            rollout.init_collective(policy, timeout_s=600)
+            result.setup_s = time.perf_counter() - t0
+        generate()  # warm-up
+        for path in paths:
+            sync(path)  # warm-up
+        result.seconds = {path: [] for path in paths}
+        generation = []
+        for r in range(args.repeats):
+            for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
+                result.seconds[path].append(sync(path))
+            generation.append(generate())
+        result.generation_s = statistics.median(generation)
+
+        # the engine now holds the policy's weights: both score one sampled response alike
+        sample = rollout.generate(
+            prompts[:1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=1, policy_version=rollout_version[0]
+        )[0]
+        engine_lp = rollout.sequence_log_probs([sample.prompt_token_ids], [sample.response_token_ids])[0]
+        policy_lp = policy.forward_log_probs([sample.prompt_token_ids], [sample.response_token_ids])[0]
+        result.logprob_gap = max(abs(a - b) for a, b in zip(engine_lp, policy_lp, strict=True))
+        return result
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+        policy.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    load_before = os.getloadavg()[0]
+    models = [m for m in args.models.split(",") if m]
+    results: list[Result] = []
+    tmp = tempfile.TemporaryDirectory(prefix="weight_sync_")
+    try:
+        import ray
+
+        from entropy_openrlhf.cluster import init_ray
+
+        available = ["object_store"] + (["collective"] if has_collective() else [])
+        paths = available if args.paths == "auto" else [args.paths]
+        if not set(paths) <= set(available):
+            raise RuntimeError(f"--paths {args.paths}: this checkout has only {', '.join(available)}")
+        started = init_ray(num_cpus=8)
+        try:
+            for name in models:
+                results.append(measure_model(name, args, paths, tmp.name))
+        finally:
+            if started:
+                ray.shutdown()
+    except Exception as e:  # noqa: BLE001 - report and fail, never print a number we did not measure
+        print(f"error: could not measure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        tmp.cleanup()
+
+    print(
+        f"{args.engines} engine(s), 1 policy rank; median of {args.repeats} syncs per path, paths interleaved; "
+        f"rollout batch {args.prompts} prompts x {args.n} samples x <= {args.max_new_tokens} tokens; "
+        f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}"
+    )
+    header = f"{'model':<10}{'dtype':<10}{'path':<14}{'MB':>8}{'s/sync':>9}{'MB/s':>9}{'gen s':>8}{'sync/gen':>10}"
+    print(header + f"{'setup s':>9}")
+    for r in results:
+        for path, seconds in r.seconds.items():
+            s = statistics.median(seconds)
+            setup = f"{r.setup_s:9.2f}" if path == "collective" and r.setup_s is not None else f"{'':>9}"
+            rate = r.megabytes * args.engines / s
+            print(
+                f"{r.model:<10}{r.dtype:<10}{path:<14}{r.megabytes:>8.1f}{s:>9.3f}{rate:>9.0f}"
+                f"{r.generation_s:>8.2f}{s / r.generation_s:>10.3f}{setup}"
+            )
+    for r in results:
+        print(f"{r.model}: max |engine - policy| log-prob after the syncs: {r.logprob_gap:.4f}")
+    bad = [r.model for r in results if not r.logprob_gap <= MAX_LOGPROB_GAP]
+    if bad:
+        print(f"error: the engines do not hold the policy's weights after a sync ({', '.join(bad)})", file=sys.stderr)
+        return 1
+    head = next((r for r in results if r.model == "smollm2"), results[-1])
+    if "object_store" not in head.seconds:
+        print(f"weight_sync_{head.model}_s: not measured (object_store path not run)")
+        return 1
+    print(f"weight_sync_{head.model}_s: {statistics.median(head.seconds['object_store']):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+    sys.exit(main())
