@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -283,9 +284,23 @@ class PolicyActor:
 
     def save_checkpoint(self, path: str, tag: str) -> None:
         self.engine.save_checkpoint(path, tag=tag)
+        # dropout draws from the global generators: keep this rank's, so a resumed run draws what this one would
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, os.path.join(path, tag, f"rng_rank{self.rank}.pt"))
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        self.engine.load_checkpoint(path, tag=tag)
+        loaded, _ = self.engine.load_checkpoint(path, tag=tag)
+        if loaded is None:  # DeepSpeed only logs a missing checkpoint; starting from scratch would go unnoticed
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {path}")
+        rng_file = os.path.join(path, tag, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_file):  # absent in checkpoints written before the RNG was saved
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
 
     def get_version(self) -> int:
         return self.version

@@ -45,6 +45,16 @@ class WeightSyncTimeoutError(TimeoutError):
     """An engine did not finish loading new weights in time (hung, busy on a long call, or starved of CPU)."""
 
 
+# Engine faults: a dead engine process (segfault, OOM kill, lost node) is restarted by Ray up to this many times;
+# the group then reloads the current weights into it and generates its prompts again.
+ENGINE_MAX_RESTARTS = 3
+ENGINE_RESTART_TIMEOUT_S = 300.0  # a restart loads the model and starts vLLM: minutes for a large model
+
+
+class StaleEngineError(RuntimeError):
+    """An engine was asked to generate with other weights than it holds (it restarted from the initial model)."""
+
+
 def resolve_dtype(dtype: str, model_path: str) -> str:
     """vLLM's own "auto" turns fp32 checkpoints into bf16 (which crashes tiny models in the CPU AMX attention
     kernel and drifts from the fp32 trainer); here "auto" means the checkpoint's own dtype."""
@@ -120,10 +130,14 @@ class RolloutEngine:
         max_new_tokens: int = 256,
         seed: int | None = None,
         policy_version: int = 0,
+        require_version: int | None = None,
     ) -> list[Sample]:
-        """n samples per prompt, in prompt order, each tagged with `policy_version`."""
+        """n samples per prompt, in prompt order, each tagged with `policy_version`. With `require_version`, an
+        engine holding other weights refuses (StaleEngineError) rather than mislabel what it samples."""
         from vllm import SamplingParams
 
+        if require_version is not None and require_version != self.version:
+            raise StaleEngineError(f"engine holds policy version {self.version}, not {require_version}")
         if not prompts:
             return []
         # The prompt text already holds the chat template and its special tokens: add none.
@@ -238,11 +252,19 @@ class RolloutGroup:
                 f"no room for {num_engines} rollout engine(s) of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
                 f"cluster resources: {ray.available_resources()}"
             )
+        # Fault handling (generate, update_weights): the policy version every engine must hold, and the object ref
+        # of its weights, kept so that an engine Ray restarts from the initial model can be given them again.
+        self.version = 0
+        self._synced: tuple[ray.ObjectRef, int] | None = None
+        self._sync_timeout_s = 120.0
+        self.restarts = 0  # engine recoveries so far
         self.actors = [
             RolloutActor.options(
                 num_cpus=num_cpus_per_engine,
                 num_gpus=num_gpus_per_engine,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                max_restarts=ENGINE_MAX_RESTARTS,
+                max_task_retries=0,  # the group retries, after reloading the weights Ray's retry would not restore
             ).remote(
                 model_path,
                 seed=seed + i,  # only unseeded requests use it; seeded ones derive theirs per prompt
@@ -270,22 +292,80 @@ class RolloutGroup:
         seed: int | None,
         policy_version: int,
     ) -> list[Sample]:
-        """Prompts split across the engines; results in prompt order, n consecutive samples per prompt."""
+        """Prompts split across the engines; results in prompt order, n consecutive samples per prompt.
+
+        An engine that dies mid-call is restarted by Ray; the group waits for it, reloads the current weights into
+        it and sends it the same prompts again. Seeds are per prompt, so the retry samples what the lost call would
+        have, and nothing is generated twice into the result.
+        """
+        kwargs = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        kwargs.update(policy_version=policy_version)
         chunks = _split(prompts, len(self.actors))
-        refs = [
-            actor.generate.remote(
-                chunk,
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_new_tokens=max_new_tokens,
-                seed=seed,
-                policy_version=policy_version,
-            )
-            for actor, chunk in zip(self.actors, chunks)
-            if chunk
-        ]
-        return [s for part in ray.get(refs) for s in part]
+        results: list[list[Sample]] = [[] for _ in chunks]
+        running = {}
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                running[self.actors[i].generate.remote(chunk, require_version=self.version, **kwargs)] = (i, 0)
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            i, attempt = running.pop(done[0])
+            try:
+                results[i] = ray.get(done[0])
+                continue
+            except ray.exceptions.RayActorError as e:
+                why = f"died while generating {len(chunks[i])} prompt(s) ({type(e).__name__})"
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(e.cause, StaleEngineError):
+                    raise
+                why = f"was restarted earlier and {e.cause}"
+            if attempt >= ENGINE_MAX_RESTARTS:
+                raise RuntimeError(f"rollout engine {i} {why}, {attempt + 1} times in a row; giving up")
+            self._recover(i, why)
+            ref = self.actors[i].generate.remote(chunks[i], require_version=self.version, **kwargs)
+            running[ref] = (i, attempt + 1)
+        return [s for part in results for s in part]
+
+    def _recover(self, i: int, why: str) -> None:
+        """Wait until Ray has restarted engine `i`, then load the group's current weights into it (a restarted
+        engine starts from the initial model, and would otherwise tag old-policy samples with the new version)."""
+        import logging
+
+        log = logging.getLogger(__name__)
+        log.warning("rollout engine %d %s: waiting for its restart, then reloading policy version %d", i, why,
+                    self.version)  # fmt: skip
+        t0 = time.monotonic()
+        deadline = t0 + ENGINE_RESTART_TIMEOUT_S
+        dead_replies = 0
+        while True:
+            try:
+                remaining = max(1.0, deadline - time.monotonic())
+                engine_version = ray.get(self.actors[i].get_version.remote(), timeout=remaining)
+                break
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"rollout engine {i} {why}, and did not come back within {ENGINE_RESTART_TIMEOUT_S:.0f} s"
+                ) from None
+            except ray.exceptions.RayActorError as e:
+                # "restarting" answers come while Ray starts the new process; "died" ones for good once the
+                # restarts are used up (a few may also come right after the kill)
+                dead_replies = dead_replies + 1 if isinstance(e, ray.exceptions.ActorDiedError) else 0
+                if dead_replies > 20 or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"rollout engine {i} {why}, and Ray did not restart it (at most {ENGINE_MAX_RESTARTS} "
+                        f"restarts): {type(e).__name__}"
+                    ) from None
+                time.sleep(0.5)
+        if engine_version != self.version:
+            if self._synced is None or self._synced[1] != self.version:
+                raise RuntimeError(
+                    f"rollout engine {i} restarted with policy version {engine_version}; the group holds no copy of "
+                    f"version {self.version} to reload (the collective weight sync keeps none)"
+                )
+            ref, version = self._synced
+            ray.get(self.actors[i].update_weights.remote(ref, version), timeout=self._sync_timeout_s)
+        self.restarts += 1
+        log.warning("rollout engine %d is back with policy version %d after %.1f s", i, self.version,
+                    time.monotonic() - t0)  # fmt: skip
 
     def sequence_log_probs(
         self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
@@ -307,6 +387,7 @@ class RolloutGroup:
         t0 = time.time()
         ref = ray.put(state_dict)
         refs = [actor.update_weights.remote(ref, version) for actor in self.actors]
+        self._sync_timeout_s = timeout_s
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             stalled = [i for i, r in enumerate(refs) if r in pending]
@@ -315,8 +396,32 @@ class RolloutGroup:
                 f"{stalled} of {len(refs)} did not finish loading (hung, busy on a long call, or starved of CPU); "
                 f"{len(done)} engine(s) did"
             )
-        ray.get(done)  # re-raises an engine's own error
+        try:
+            ray.get(done)  # re-raises an engine's own error
+        except ray.exceptions.RayActorError:
+            self._sync_after_engine_death(refs, ref, version, timeout_s, deadline=t0 + timeout_s)
+        self._synced, self.version = (ref, version), version
         return time.time() - t0
+
+    def _sync_after_engine_death(self, refs: list, ref: ray.ObjectRef, version: int, timeout_s: float, deadline: float):
+        """An engine died during a sync: the others must still finish in time, and the dead ones get the new
+        weights once Ray has restarted them."""
+        dead, stalled = [], []
+        for i, r in enumerate(refs):
+            try:
+                ray.get(r, timeout=max(0.0, deadline - time.time()))
+            except ray.exceptions.RayActorError as e:
+                dead.append((i, type(e).__name__))
+            except ray.exceptions.GetTimeoutError:
+                stalled.append(i)
+        if stalled:
+            raise WeightSyncTimeoutError(
+                f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout engine(s) "
+                f"{stalled} of {len(refs)} did not finish loading, and engine(s) {[i for i, _ in dead]} died"
+            )
+        self._synced, self.version = (ref, version), version
+        for i, name in dead:
+            self._recover(i, f"died during the weight sync to policy version {version} ({name})")
 
     def shutdown(self) -> None:
         for actor in self.actors:

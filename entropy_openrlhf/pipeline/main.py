@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         history = trainer.run(tracker, start_step=start_step)
         final = Path(cfg.train.output_dir) / "final"
         trainer.policy.save_hf(str(final))
-        print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
+        if history:  # empty when resuming a run whose last checkpoint is its final step
+            print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
         print(f"[entropy-openrlhf] final model: {final}; W&B run: {tracker.run_dir}", flush=True)
     finally:

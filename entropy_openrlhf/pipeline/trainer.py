@@ -14,6 +14,7 @@ import math
 import os
 import queue
 import random
+import re
 import shutil
 import threading
 import time
@@ -197,6 +198,7 @@ class Trainer:
             for s, lp in zip(flat, ref):
                 s.metadata = {**s.metadata, "ref_log_probs": lp}
             metrics["time/reference"] = time.time() - t0
+        metrics["rollout/engine_restarts"] = float(self.rollout.restarts)  # engines Ray restarted, so far
         return Batch(step, groups, metrics, (self.stream.epoch, self.stream.offset))
 
     def _maybe_evaluate(self) -> None:
@@ -342,26 +344,50 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, version: int, stream_after: tuple[int, int]) -> Path:
-        """Write checkpoints/step<N>: DeepSpeed state (weights, optimizer), an HF export and the trainer state.
-        Written under a temporary name and renamed when complete, so a half-written one is never picked."""
+        """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export and the
+        trainer state (step, prompt-stream position). It is written as .tmp-step<N> and renamed when complete, so a
+        run killed mid-save leaves only a temporary folder, which resume ignores."""
         root = Path(self.cfg.train.output_dir) / "checkpoints"
-        final, tmp = root / f"step{version}", root / f".tmp-step{version}"
+        final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
         self.policy.save_hf(str(tmp / "hf"))
-        state = {"step": version, "stream_epoch": stream_after[0], "stream_offset": stream_after[1]}
+        state = {
+            "step": version,
+            "stream_epoch": stream_after[0],
+            "stream_offset": stream_after[1],
+            "seed": self.cfg.train.seed,
+            "train_prompts": len(self.train_items),
+        }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         return final
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint; returns the step to continue from (0 when there is none)."""
-        ckpt = latest_checkpoint(Path(self.cfg.train.output_dir) / "checkpoints")
+        """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, and the
+        prompt-stream position. Returns the step to continue from (0 when there is none). Every other random draw
+        (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
+        the resumed steps repeat what the lost ones did."""
+        root = Path(self.cfg.train.output_dir) / "checkpoints"
+        ckpt = latest_checkpoint(root)
         if ckpt is None:
+            print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
             return 0
         state = json.loads((ckpt / "trainer_state.json").read_text())
+        for key, flag, now in (
+            ("seed", "--train.seed", self.cfg.train.seed),
+            ("train_prompts", "--data.train / --data.max_samples (prompt count)", len(self.train_items)),
+        ):
+            if key in state and state[key] != now:
+                raise ValueError(
+                    f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
+                    "its prompt-stream position would not match"
+                )
         self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
         self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
         self.stream._order = self.stream._make_order()
@@ -372,10 +398,20 @@ class Trainer:
         return step
 
 
+CHECKPOINT_NAME = re.compile(r"step(\d+)")
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step; temporary (half-written) folders are ignored."""
-    done = [p for p in root.glob("step*") if (p / "trainer_state.json").exists()] if root.exists() else []
-    return max(done, key=lambda p: int(p.name[4:]), default=None)
+    """The complete checkpoint with the highest step. Only step<N> folders holding trainer_state.json count:
+    .tmp-step<N> (a save cut short) and .old-step<N> (a copy being replaced) never do."""
+    if not root.is_dir():
+        return None
+    done = []
+    for path in root.iterdir():
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / "trainer_state.json").is_file():
+            done.append((int(match.group(1)), path))
+    return max(done)[1] if done else None
 
 
 def summarize(history: list[dict[str, float]], startup_s: float) -> str:
