@@ -110,6 +110,10 @@ class RolloutEngine:
         import vllm.envs
         from vllm import LLM
 
+        if tensor_parallel_size > 1:
+            # Inside a Ray placement group vLLM would pick its Ray executor, which asks Ray again for the GPUs this
+            # actor already holds; worker processes on those GPUs need no scheduling.
+            llm_kwargs.setdefault("distributed_executor_backend", "mp")
         self.llm = LLM(
             model=model_path,
             seed=seed,
