@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,8 +261,24 @@ def _converter(default):
     return str
 
 
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-5" for a flag (its negative-number pattern has no exponent): accept it as a value
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str):
+        """One line naming the flag; argparse's default prints the usage of every flag first, burying it."""
+        hint = " (--help lists every flag)"
+        if message.startswith("unrecognized arguments:"):
+            flags = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            close = difflib.get_close_matches(flags[0], list(self._option_string_actions), n=1) if flags else []
+            hint = f"; did you mean {close[0]}?" if close else hint
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -397,7 +415,10 @@ def validate(cfg: Config) -> list[str]:
     if cfg.loss.type == "clip_cov" and (cfg.loss.clip_low, cfg.loss.clip_high) != (1.0, 1.0):
         notes.append("the paper's Clip-Cov widens the PPO clip to 1 (--loss.clip_low 1 --loss.clip_high 1)")
     if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+        # one error: one line; several: one line each
+        raise ConfigError(
+            f"invalid config: {errors[0]}" if len(errors) == 1 else "invalid config:\n  " + "\n  ".join(errors)
+        )
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return notes

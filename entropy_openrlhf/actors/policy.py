@@ -308,8 +308,8 @@ class PolicyActor:
         torch.save(rng, os.path.join(path, tag, f"rng_rank{self.rank}.pt"))
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        loaded, _ = self.engine.load_checkpoint(path, tag=tag)
-        if loaded is None:  # DeepSpeed only logs a missing checkpoint; starting from scratch would go unnoticed
+        # DeepSpeed meets a missing checkpoint with a bare assert, or a log line and no load at all
+        if not os.path.isdir(os.path.join(path, tag)) or self.engine.load_checkpoint(path, tag=tag)[0] is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {path}")
         rng_file = os.path.join(path, tag, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):  # absent in checkpoints written before the RNG was saved

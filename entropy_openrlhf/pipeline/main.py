@@ -98,7 +98,11 @@ def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None
 
 
 def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
-    cfg = from_args(argv, PIPELINES[pipeline], description)  # --help and flag errors exit here
+    try:
+        cfg = from_args(argv, PIPELINES[pipeline], description)  # --help and flag errors exit here
+    except ValueError as e:  # an unknown --preset
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from entropy_openrlhf.data.dataset import DatasetError
     from rewards import VerifierLoadError

@@ -83,3 +83,130 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         assert tokens(group.generate(prompts, policy_version=2, **sampling)) == tokens(from_disk)
     finally:
         group.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ through the trainer
+
+
+class Recorder:
+    """Takes the tracker's place: keeps what the trainer logs, and runs `on_step[step]` once that step is logged."""
+
+    def __init__(self, on_step: dict | None = None):
+        self.metrics: dict[int, dict] = {}
+        self.samples: dict[int, list] = {}
+        self.on_step = on_step or {}
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.metrics[step] = dict(metrics)
+        if step in self.on_step:
+            self.on_step[step]()
+
+    def log_samples(self, samples: list, step: int) -> None:
+        self.samples[step] = list(samples)
+
+
+def make_trainer(tmp_path: Path, *flags: str):
+    from entropy_openrlhf.config import from_args
+    from entropy_openrlhf.pipeline.main import prepare
+    from entropy_openrlhf.pipeline.trainer import Trainer
+
+    cfg = from_args(
+        ["--preset", "smoke", "--train.output_dir", str(tmp_path / "run"), "--reward.verifier", VERIFIER,
+         "--ref.enabled", "false", *flags]
+    )  # fmt: skip
+    model_path, train_items, test_items = prepare(cfg)
+    trainer = Trainer(cfg, model_path, train_items, test_items)
+    trainer.start_groups()
+    return cfg, model_path, trainer
+
+
+def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path):
+    import ray
+
+    cfg, _, trainer = make_trainer(tmp_path, "--train.num_steps", "4", "--async.max_staleness", "1")
+    pid = engine_pid(trainer.rollout.actors[0])
+
+    def kill() -> None:
+        # right after step 0 the producer syncs version 1 and generates: freeze the engine in that, then kill it
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
+
+    recorder = Recorder({0: kill})
+    try:
+        history = trainer.run(recorder)
+        assert [h["step"] for h in history] == [0, 1, 2, 3]  # no step lost, none repeated
+        assert recorder.metrics[3]["rollout/engine_restarts"] == 1.0
+        assert engine_pid(trainer.rollout.actors[0]) != pid
+        per_step = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+        seen: set[int] = set()
+        for step, samples in recorder.samples.items():
+            assert len(samples) == per_step
+            prompts = [s.prompt_index for s in samples]
+            assert all(prompts.count(p) == cfg.rollout.n_samples_per_prompt for p in prompts)
+            assert not seen & set(prompts)  # every batch has fresh prompts: nothing generated twice into a batch
+            seen |= set(prompts)
+            assert all(step - 1 <= s.policy_version <= step for s in samples)
+        # the restarted engine holds the trainer's newest weights, not the initial ones it loaded from disk
+        trainer._apply_pending_weights()
+        assert ray.get(trainer.rollout.actors[0].get_version.remote()) == trainer.rollout.version == 4
+        prompt_ids, response_ids = [[1, 5, 6, 7, 8]], [[20, 30, 40, 50, 60, 70]]
+        engine_lp = trainer.rollout.sequence_log_probs(prompt_ids, response_ids)[0]
+        policy_lp = trainer.policy.forward_log_probs(prompt_ids, response_ids)[0]
+        assert max(abs(a - b) for a, b in zip(engine_lp, policy_lp)) < 1e-3
+    finally:
+        trainer.shutdown_groups()
+
+
+def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_path):
+    timeout_s = 5.0
+    _, _, trainer = make_trainer(
+        tmp_path, "--train.num_steps", "3", "--async.max_staleness", "0", "--sync.timeout_s", str(timeout_s)
+    )
+    pid = engine_pid(trainer.rollout.actors[0])
+    train_step = trainer.policy.train_step
+    frozen: dict[str, float] = {}
+
+    def freeze_then_train(samples, step):
+        # batch 0 is generated; the engine now stops answering, so the sync of version 1 after this step stalls
+        if step == 0:
+            os.kill(pid, signal.SIGSTOP)
+            frozen["at"] = time.monotonic()
+        return train_step(samples, step)
+
+    trainer.policy.train_step = freeze_then_train
+    try:
+        with pytest.raises(RuntimeError) as error:
+            trainer.run(Recorder())
+        waited = time.monotonic() - frozen["at"]
+        message = str(error.value)
+        assert "WeightSyncTimeoutError" in message
+        assert (
+            f"weight sync to policy version 1 timed out after {timeout_s:.1f} s: rollout engine(s) [0] of 1" in message
+        )
+        assert timeout_s <= waited < timeout_s + 60  # the sync's own deadline ended the run; no hang
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        trainer.shutdown_groups()
+
+
+def test_consecutive_non_finite_steps_stop_the_run(ray_cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    # beta = 1e39 overflows to inf in the fp32 KL-Cov loss: inf * |log-ratio| is NaN where the ratio is 1, inf
+    # elsewhere, so every optimizer step of every RL step has a non-finite loss and gradient
+    _, model_path, trainer = make_trainer(
+        tmp_path, "--train.num_steps", "4", "--async.max_staleness", "0", "--loss.kl_cov.coef", "1e39",
+        "--train.max_nonfinite_steps", "2",
+    )  # fmt: skip
+    recorder = Recorder()
+    try:
+        with pytest.raises(RuntimeError, match=r"^2 consecutive RL steps had optimizer steps skipped") as error:
+            trainer.run(recorder)
+        assert "stopping at step 1 (--train.max_nonfinite_steps)" in str(error.value)
+        assert list(recorder.metrics) == [0]  # step 1 stopped the run before it was logged
+        assert recorder.metrics[0]["train/skipped_steps"] == 2.0  # both mini-batches of step 0
+        initial = load_file(str(Path(model_path) / "model.safetensors"))
+        now = trainer.policy.export_weights()
+        assert all(torch.equal(initial[k], now[k]) for k in initial)  # no skipped step touched the weights
+    finally:
+        trainer.shutdown_groups()

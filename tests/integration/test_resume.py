@@ -1,0 +1,238 @@
+"""Checkpoints and resume, done for real.
+
+- A whole job (`python pipelines/kl_cov.py`, its own local Ray, every actor) is SIGKILLed as a process group right
+  after its step-2 checkpoint appears, then run again with `--train.resume true`. The resumed run starts at the
+  checkpoint's step and its steps repeat, number for number and sample for sample, those of an uninterrupted run
+  with the same seed; the first steps of the killed run match the uninterrupted run too (determinism of two
+  synchronous runs). A planted half-written `.tmp-step4` folder is not picked.
+- A policy group restored from a DeepSpeed checkpoint has the saved weights, optimizer moments and RNG state: its
+  next step is bit-identical to the step the saving group took.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).parents[2]
+VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":digit_share"
+# synchronous (staleness 0) so the runs are deterministic; no reference model, to start faster
+FLAGS = [
+    "--preset", "smoke", "--train.num_steps", "4", "--train.save_every", "2", "--async.max_staleness", "0",
+    "--reward.verifier", VERIFIER, "--ref.enabled", "false",
+]  # fmt: skip
+RUN_TIMEOUT_S = 900
+# numbers that depend on the machine's speed, not on what was computed
+TIMING = ("time/", "throughput/", "reward/seconds_per_sample")
+
+
+def start_job(out: Path, ray_tmp: Path, *extra: str) -> subprocess.Popen:
+    """The pipeline as a user runs it, in its own session (process group) with its own local Ray under ray_tmp."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_ID")}
+    env["RAY_TMPDIR"] = str(ray_tmp)  # this run's Ray files, so its leftovers can be found and ended
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out.parent / f"{out.name}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "pipelines/kl_cov.py", *FLAGS, "--train.output_dir", str(out), *extra],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def job_log(out: Path) -> str:
+    return (out.parent / f"{out.name}.log").read_text(errors="replace")
+
+
+def leftover_pids(pgid: int, ray_tmp: Path) -> list[int]:
+    """Processes of the job still alive: in its process group, or carrying its RAY_TMPDIR (Ray's daemons and
+    workers inherit the driver's environment, whatever process group they run in)."""
+    found = {int(p) for p in subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()}
+    tag = f"RAY_TMPDIR={ray_tmp}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if tag in (proc / "environ").read_bytes().split(b"\0"):
+                    found.add(int(proc.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return sorted(found - {os.getpid()})
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the job's whole process group at once, as a lost node or an OOM kill of the session would."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def wait_gone(proc: subprocess.Popen, ray_tmp: Path, timeout_s: float = 60.0) -> list[int]:
+    """Ray's daemons and workers outside the process group notice their driver's death and exit; return any that
+    are still alive after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := leftover_pids(proc.pid, ray_tmp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return pids
+
+
+def end_job(proc: subprocess.Popen, ray_tmp: Path) -> None:
+    """Kill the job, then anything of it still alive (so a failing test leaves nothing behind)."""
+    kill_job(proc)
+    for _ in range(40):
+        pids = leftover_pids(proc.pid, ray_tmp)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
+def run_to_end(out: Path, ray_tmp: Path, *extra: str) -> str:
+    proc = start_job(out, ray_tmp, *extra)
+    try:
+        assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, job_log(out)[-4000:]
+    finally:
+        end_job(proc, ray_tmp)
+    return job_log(out)
+
+
+def logged(out: Path) -> dict[int, dict]:
+    """step -> the metrics the run logged (files/metrics.jsonl of every W&B run in the output folder)."""
+    steps = {}
+    for path in sorted((out / "wandb").glob("offline-run-*/files/metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            steps[row["step"]] = {k: v for k, v in row.items() if not k.startswith(TIMING)}
+    return steps
+
+
+def sample_tables(out: Path) -> dict[int, list]:
+    """step -> the rows of the sample table W&B saved for it (prompt, response, label, reward, version)."""
+    tables = {}
+    for path in (out / "wandb").glob("offline-run-*/files/media/table/samples_*.table.json"):
+        step = int(path.name.split("_")[1])
+        tables[step] = json.loads(path.read_text())["data"]
+    return tables
+
+
+@pytest.fixture
+def ray_tmp():
+    # short: Ray's socket paths must stay under the 107-byte limit
+    path = Path(tempfile.mkdtemp(prefix="eor_rs_", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupted_run(tmp_path, ray_tmp):
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+
+    # 1. the run as it should go: 4 steps, checkpoints at steps 2 and 4
+    run_to_end(reference, ray_tmp)
+    want = logged(reference)
+    assert sorted(want) == [0, 1, 2, 3]
+
+    # 2. the same run, killed (every process of it, at once) as soon as its step-2 checkpoint is complete
+    proc = start_job(killed, ray_tmp)
+    marker = killed / "checkpoints" / "step2" / "trainer_state.json"
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not marker.exists():
+            assert proc.poll() is None, f"the run ended before its checkpoint:\n{job_log(killed)[-4000:]}"
+            assert time.monotonic() < deadline, "no step-2 checkpoint in time"
+            time.sleep(0.2)
+        kill_job(proc)
+        survivors = wait_gone(proc, ray_tmp)
+    finally:
+        end_job(proc, ray_tmp)
+    assert proc.returncode == -signal.SIGKILL
+    assert survivors == []  # nothing of the killed job (driver, Ray, actors) lived on
+    before_kill = logged(killed)
+    assert {0, 1} <= set(before_kill) <= {0, 1, 2}  # it got past step 1, never to step 4's checkpoint
+    assert not (killed / "checkpoints" / "step4").exists()
+
+    # determinism: the same seed gave the same rollouts and the same losses
+    for step in (0, 1):
+        assert before_kill[step] == want[step], step
+    assert sample_tables(killed)[0] == sample_tables(reference)[0]
+
+    # a save cut short leaves a temporary folder; plant one that claims a later step: it must not be picked
+    half = killed / "checkpoints" / ".tmp-step4"
+    shutil.copytree(killed / "checkpoints" / "step2", half)
+    (half / "trainer_state.json").write_text(json.dumps({"step": 4, "stream_epoch": 0, "stream_offset": 16}))
+    shutil.rmtree(half / "deepspeed")
+
+    # 3. resume: it continues at the checkpoint's step, with the checkpoint's weights, optimizer, data position and
+    # RNG, so its steps repeat the uninterrupted run's exactly
+    log = run_to_end(killed, ray_tmp, "--train.resume", "true")
+    assert f"resumed from {killed / 'checkpoints' / 'step2'} at step 2" in log
+    resumed_run = max((killed / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+    resumed = [json.loads(x)["step"] for x in (resumed_run / "files" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == [2, 3]  # first trained step = the checkpoint's; only the steps since it are redone
+    after = logged(killed)
+    for step in (2, 3):
+        assert after[step] == want[step], step
+    tables, want_tables = sample_tables(killed), sample_tables(reference)
+    assert tables[2] == want_tables[2] and tables[3] == want_tables[3]
+    assert (killed / "checkpoints" / "step4" / "trainer_state.json").exists()
+    assert json.loads((killed / "checkpoints" / "step4" / "trainer_state.json").read_text())["step"] == 4
+    assert (killed / "final" / "config.json").exists()
+
+
+def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_model, tmp_path):
+    import ray
+
+    from entropy_openrlhf.actors.policy import PolicyGroup
+    from entropy_openrlhf.config import from_args
+    from tests.integration.test_policy import fixed_batch
+
+    cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"], {"loss.type": "ppo"})
+    group = PolicyGroup(cfg, tiny_model)
+    actor = group.actors[0]
+    ckpt = str(tmp_path / "deepspeed")
+
+    def rng() -> torch.Tensor:
+        return ray.get(actor.__ray_call__.remote(lambda self: torch.get_rng_state()))
+
+    def same(a: dict, b: dict) -> bool:
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    try:
+        group.train_step(fixed_batch(seed=0), 0)  # Adam has moments now
+        group.save_checkpoint(ckpt, "state")
+        saved_weights, saved_rng = group.export_weights(), rng()
+        group.train_step(fixed_batch(seed=1), 1)
+        want = group.export_weights()
+        ray.get(actor.__ray_call__.remote(lambda self: torch.rand(1000)))  # dropout would have drawn meanwhile
+        assert not torch.equal(rng(), saved_rng)
+
+        # control: the weights alone, with the optimizer as it is now, give another step
+        def load_weights_only(self) -> None:
+            self.engine.load_checkpoint(ckpt, "state", load_optimizer_states=False)
+
+        ray.get(actor.__ray_call__.remote(load_weights_only))
+        group.train_step(fixed_batch(seed=1), 1)
+        assert not same(group.export_weights(), want)
+
+        group.load_checkpoint(ckpt, "state")
+        assert same(group.export_weights(), saved_weights)
+        assert torch.equal(rng(), saved_rng)
+        group.train_step(fixed_batch(seed=1), 1)
+        assert same(group.export_weights(), want)  # bit for bit: the optimizer state came back
+
+        with pytest.raises(Exception, match="no DeepSpeed checkpoint 'state' in"):
+            group.load_checkpoint(str(tmp_path / "nothing"), "state")
+    finally:
+        group.shutdown()

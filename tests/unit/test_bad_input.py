@@ -1,0 +1,123 @@
+"""Bad input through the real entry point (`pipeline.main.main`, what pipelines/*.py run): each case exits with code
+2 and one line on stderr naming the file, row, field or flag, before Ray or any actor starts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from entropy_openrlhf.pipeline.main import main
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from entropy_openrlhf.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray (locally or by joining a cluster) fails the test: bad input must be refused before it."""
+    import ray
+
+    import entropy_openrlhf.cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started for a run whose input is bad")
+
+    monkeypatch.setattr(entropy_openrlhf.cluster, "init_ray", refuse)
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def run(argv: list[str], capsys) -> tuple[int, str]:
+    """main's exit code (argparse exits by SystemExit) and what it wrote to stderr."""
+    try:
+        code = main(argv, "kl_cov")
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
+    """(flags, words the message must hold)."""
+    good = {"prompt": "What is 2 + 2?", "label": "4"}
+    latin1 = tmp / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "caf\xe9 au lait?", "label": "1"}\n')
+    empty = tmp / "empty.jsonl"
+    empty.write_text("")
+    (tmp / "no_model").mkdir()
+    broken = tmp / "broken_verifier.py"
+    broken.write_text("import a_module_that_is_not_there\n\ndef verify(response, label, **kw):\n    return 1.0\n")
+    data = lambda name, rows: ["--data.train", jsonl(tmp / name, rows)]  # noqa: E731
+    return [
+        (["--data.train", str(tmp / "missing.jsonl")], [str(tmp / "missing.jsonl"), "no such file"]),
+        (["--data.train", str(empty)], [str(empty), "empty"]),
+        (data("no_prompt.jsonl", [good, {"label": "3"}]), ["no_prompt.jsonl", "line 2", "'prompt'", "missing"]),
+        (data("no_label.jsonl", [good, {"prompt": "hi"}]), ["no_label.jsonl", "line 2", "'label'", "missing"]),
+        (data("int_prompt.jsonl", [{"prompt": 5, "label": "1"}]), ["int_prompt.jsonl", "line 1", "'prompt'", "int"]),
+        (["--data.train", str(latin1)], [str(latin1), "line 1", "not valid UTF-8", "0xe9"]),
+        (["--actor.lrr", "1e-5"], ["unrecognized arguments: --actor.lrr", "did you mean --actor.lr?"]),
+        (["--loss.kl_cov.ratio", "0"], ["--loss.kl_cov.ratio", "(0, 1]"]),
+        (["--loss.clip_cov.ratio", "1.5"], ["--loss.clip_cov.ratio", "(0, 1]"]),
+        (["--actor.lr", "-1e-5"], ["--actor.lr", "must be > 0"]),
+        (["--actor.lr", "fast"], ["--actor.lr", "invalid float value: 'fast'"]),
+        (["--async.max_staleness", "-1"], ["--async.max_staleness", "must be >= 0"]),
+        (["--preset", "huge"], ["--preset 'huge'", "unknown"]),
+        (["--pretrain", str(tmp / "no_model")], ["--pretrain", "no_model", "no HF model"]),
+        (["--pretrain", str(tmp / "not_there")], ["--pretrain", "not_there", "no such folder"]),
+        (["--reward.verifier", f"{broken}:verify"], ["broken_verifier.py", "a_module_that_is_not_there"]),
+        (["--reward.verifier", "nope.py:verify"], ["nope.py", "not found"]),
+        (["--rollout.max_model_len", "40"], ["row 0", "--rollout.max_model_len 40"]),
+    ]
+
+
+CASE_IDS = [
+    "missing-dataset", "empty-dataset", "row-without-prompt", "row-without-label", "wrong-type", "non-utf8",
+    "unknown-flag", "ratio-zero", "ratio-above-one", "negative-lr", "lr-not-a-number", "negative-staleness",
+    "unknown-preset", "folder-without-model", "missing-model-folder", "verifier-import-error", "verifier-missing",
+    "prompt-longer-than-context",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
+def test_bad_input_exits_2_with_one_line_naming_it(case, model, tmp_path, capsys, no_ray):
+    flags, words = cases(tmp_path)[case]
+    pretrain = [] if "--pretrain" in flags else ["--pretrain", model]
+    base = ["--preset", "smoke", *pretrain, "--train.output_dir", str(tmp_path / "out")]
+    code, err = run([*base, *flags], capsys)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err  # one line, not a traceback or a usage dump
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not (tmp_path / "out" / "wandb").exists()  # nothing was started
+
+
+def test_the_command_line_exits_2_and_starts_no_ray(tmp_path):
+    """The same through `python pipelines/kl_cov.py`: exit code 2, one line, and no Ray session was created."""
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_ID")}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "pipelines/kl_cov.py", "--preset", "smoke", "--train.output_dir", str(tmp_path / "out"),
+         "--data.train", str(missing)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {missing}: no such file or folder"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert list(ray_tmp.iterdir()) == []  # Ray writes its session folder here the moment it starts

@@ -1,0 +1,39 @@
+"""Which checkpoint a resume picks: only complete step<N> folders, never a save that was cut short."""
+
+import json
+from pathlib import Path
+
+from entropy_openrlhf.pipeline.trainer import latest_checkpoint
+
+
+def make(root: Path, name: str, complete: bool = True) -> Path:
+    path = root / name
+    (path / "deepspeed").mkdir(parents=True)
+    if complete:
+        (path / "trainer_state.json").write_text(json.dumps({"step": 0}))
+    return path
+
+
+def test_highest_complete_step_wins_numerically(tmp_path):
+    make(tmp_path, "step2")
+    make(tmp_path, "step10")
+    make(tmp_path, "step9")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step10"  # 10 > 9 although "step10" < "step9" as text
+
+
+def test_temporary_old_and_incomplete_folders_are_never_picked(tmp_path):
+    make(tmp_path, "step4")
+    make(tmp_path, ".tmp-step8")  # a save cut short: complete-looking, but never renamed
+    make(tmp_path, ".old-step6")  # a copy being replaced
+    make(tmp_path, "step12", complete=False)  # no trainer_state.json
+    make(tmp_path, "step7-backup")
+    make(tmp_path, "stepX")
+    (tmp_path / "step20").write_text("a file, not a folder")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step4"
+
+
+def test_nothing_to_resume(tmp_path):
+    assert latest_checkpoint(tmp_path / "absent") is None
+    assert latest_checkpoint(tmp_path) is None
+    make(tmp_path, ".tmp-step2")
+    assert latest_checkpoint(tmp_path) is None
