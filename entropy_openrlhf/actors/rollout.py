@@ -150,7 +150,7 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         if require_version is not None and require_version != self.version:
-            raise StaleEngineError(f"engine holds policy version {self.version}, not {require_version}")
+            raise StaleEngineError(f"holds policy version {self.version}, not {require_version}")
         if not prompts:
             return []
         # The prompt text already holds the chat template and its special tokens: add none.
@@ -312,7 +312,7 @@ class RolloutGroup:
         self.version = 0
         self._synced: tuple[ray.ObjectRef, int] | None = None
         self._sync_timeout_s = 120.0
-        self.restarts = 0  # engine recoveries so far
+        self.restarts = 0  # engines that died (and Ray restarted) so far
         self.actors = [
             RolloutActor.options(
                 num_cpus=num_cpus_per_engine,
@@ -368,25 +368,26 @@ class RolloutGroup:
                 results[i] = ray.get(done[0])
                 continue
             except ray.exceptions.RayActorError as e:
-                why = f"died while generating {len(chunks[i])} prompt(s) ({type(e).__name__})"
+                why, died = f"died while generating {len(chunks[i])} prompt(s) ({type(e).__name__})", True
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, StaleEngineError):
                     raise
-                why = f"was restarted earlier and {e.cause}"
+                why = f"refused to generate: it {e.cause.args[0]} (restarted earlier, or a sync timed out)"
+                died = False
             if attempt >= ENGINE_MAX_RESTARTS:
                 raise RuntimeError(f"rollout engine {i} {why}, {attempt + 1} times in a row; giving up")
-            self._recover(i, why)
+            self._recover(i, why, died)
             ref = self.actors[i].generate.remote(chunks[i], require_version=self.version, **kwargs)
             running[ref] = (i, attempt + 1)
         return [s for part in results for s in part]
 
-    def _recover(self, i: int, why: str) -> None:
+    def _recover(self, i: int, why: str, died: bool) -> None:
         """Wait until Ray has restarted engine `i`, then load the group's current weights into it (a restarted
         engine starts from the initial model, and would otherwise tag old-policy samples with the new version)."""
         import logging
 
         log = logging.getLogger(__name__)
-        log.warning("rollout engine %d %s: waiting for its restart, then reloading policy version %d", i, why,
+        log.warning("rollout engine %d %s: reloading policy version %d into it once it answers", i, why,
                     self.version)  # fmt: skip
         t0 = time.monotonic()
         deadline = t0 + ENGINE_RESTART_TIMEOUT_S
@@ -410,6 +411,8 @@ class RolloutGroup:
                         f"restarts): {type(e).__name__}"
                     ) from None
                 time.sleep(0.5)
+        # a restart shows as a dead call, or as an engine back at version 0 (it restarted between two calls)
+        self.restarts += int(died or (engine_version == 0 and self.version != 0))
         if engine_version != self.version:
             if self._synced is None or self._synced[1] != self.version:
                 raise RuntimeError(
@@ -418,7 +421,6 @@ class RolloutGroup:
                 )
             ref, version = self._synced
             ray.get(self.actors[i].update_weights.remote(ref, version), timeout=self._sync_timeout_s)
-        self.restarts += 1
         log.warning("rollout engine %d is back with policy version %d after %.1f s", i, self.version,
                     time.monotonic() - t0)  # fmt: skip
 
@@ -469,7 +471,7 @@ class RolloutGroup:
             )
         self._synced, self.version = (ref, version), version
         for i, name in dead:
-            self._recover(i, f"died during the weight sync to policy version {version} ({name})")
+            self._recover(i, f"died during the weight sync to policy version {version} ({name})", died=True)
 
     def init_collective(self, policy_group: PolicyGroup, timeout_s: float = 120.0) -> float:
         """Build the broadcast group of the policy's rank 0 and every engine worker; return the seconds it took.

@@ -77,10 +77,29 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         # 2. engine 1 dies while idle; the next call is a weight sync, which still reaches every engine
         os.kill(engine_pid(group.actors[1]), signal.SIGKILL)
         time.sleep(1.0)
-        group.update_weights(original, version=2, timeout_s=120)
+        group.update_weights(perturbed(original, 2), version=2, timeout_s=120)
         assert group.restarts == 2
         assert ray.get([a.get_version.remote() for a in group.actors]) == [2, 2]
-        assert tokens(group.generate(prompts, policy_version=2, **sampling)) == tokens(from_disk)
+        ids = ([[1, 5, 6, 7, 8]], [[20, 30, 40, 50, 60, 70]])
+        per_engine = ray.get([a.sequence_log_probs.remote(*ids) for a in group.actors])
+        assert per_engine[0] == per_engine[1]  # the restarted engine holds the same version-2 weights
+
+        # 3. engine 0 dies while idle and is back (from the disk weights) before the next generation
+        want = group.generate(prompts, policy_version=2, **sampling)
+        pid = engine_pid(group.actors[0])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if engine_pid(group.actors[0]) != pid:
+                    break
+            except ray.exceptions.RayActorError:
+                time.sleep(0.5)
+        assert ray.get(group.actors[0].get_version.remote()) == 0  # restarted from disk
+        got = group.generate(prompts, policy_version=2, **sampling)
+        assert group.restarts == 3
+        assert tokens(got) == tokens(want)  # it refused to generate with stale weights and was reloaded first
+        assert ray.get([a.get_version.remote() for a in group.actors]) == [2, 2]
     finally:
         group.shutdown()
 
