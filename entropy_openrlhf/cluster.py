@@ -33,19 +33,29 @@ def has_cuda() -> bool:
         return False
 
 
-def actor_env(local: bool = True) -> dict[str, str]:
-    """The environment every actor gets: loopback on a local cluster, CPU defaults unless set or a GPU exists."""
-    env = dict(LOOPBACK_ENV) if local else {}
+def set_cpu_defaults() -> None:
+    """Called by each actor before it imports vLLM or DeepSpeed: the CPU settings apply on a node without CUDA.
+    Decided per node, since a multi-node cluster's driver node may have no GPU while the workers do."""
     if not has_cuda():
         for key, value in CPU_DEFAULT_ENV.items():
-            env[key] = os.environ.get(key, value)
+            os.environ.setdefault(key, value)
+
+
+def actor_env(local: bool = True) -> dict[str, str]:
+    """The environment every actor gets: on a local cluster (this machine) loopback, and CPU defaults unless set
+    or a GPU exists; on a cluster we joined, only the user's W&B settings and PYTHONPATH."""
+    env = {}
+    if local:
+        env.update(LOOPBACK_ENV)
+        if not has_cuda():
+            env.update({key: os.environ.get(key, value) for key, value in CPU_DEFAULT_ENV.items()})
     for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
 
 
-def init_ray(num_cpus: int | None = None, object_store_bytes: int = 1_000_000_000) -> bool:
+def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
     """Join the cluster this process was submitted to (`ray job submit`, RAY_ADDRESS) or start a local one on
     127.0.0.1. Returns True when this call started Ray (the caller then owns it and shuts it down)."""
     import ray
@@ -61,7 +71,8 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int = 1_000_000_00
     ray.init(
         _node_ip_address="127.0.0.1",
         num_cpus=num_cpus or max(8, os.cpu_count() or 1),  # logical slots: actors share the real cores
-        object_store_memory=object_store_bytes,
+        # 1 GB is plenty for a small model's weights on CPU; on a GPU machine Ray's default share of RAM
+        object_store_memory=object_store_bytes or (None if has_cuda() else 1_000_000_000),
         include_dashboard=False,
         runtime_env={"env_vars": actor_env()},
         log_to_driver=True,

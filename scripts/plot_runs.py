@@ -12,8 +12,9 @@ Writes into --out:
     <prefix>accuracy.png      `reward/acc` (solid) and, where logged, `eval/acc` (dashed) against step
     <prefix>entropy_law.png   accuracy against entropy with each method's fitted law
     <prefix>fit_<label>.png   one method's fit (entropy_law.plot_fit)
-and prints each method's fit (a, b, the ceiling b - a, RMSE). The fit uses `--fit-acc`; `auto` is `eval/acc` when
-the run has at least two evaluations, else `reward/acc`.
+and prints a markdown table of each method's final entropy, accuracies and entropy ratio to --baseline (the table
+of docs/results.md), then each method's fit (a, b, the ceiling b - a, RMSE). The fit uses `--fit-acc`; `auto` is
+`eval/acc` when the run has at least two evaluations, else `reward/acc`.
 """
 
 from __future__ import annotations
@@ -193,12 +194,44 @@ def fit_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def final_value(run: Run, key: str, last: int) -> float | None:
+    """Mean of the metric over the run's last `last` logged values (one step is noisy), or None if never logged."""
+    s = run.series(key)
+    return None if s is None else float(np.mean(s[1][-last:]))
+
+
+def results_table(runs: list[Run], baseline: str, last: int = 3) -> str:
+    """docs/results.md's table, in markdown: final entropy, accuracies and the entropy ratio to the baseline run."""
+    base = next((r for r in runs if r.label == baseline), None)
+    base_h = final_value(base, ENTROPY_KEY, last) if base else None
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        f"| method | steps | entropy (last {last}) | entropy / {baseline} | train acc (last {last}) "
+        "| test acc (last eval) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        h = final_value(run, ENTROPY_KEY, last)
+        steps = run.series(ENTROPY_KEY)
+        ratio = h / base_h if h is not None and base_h else None
+        lines.append(
+            f"| {run.label} | {fmt(None if steps is None else len(steps[0]), 'd')} | {fmt(h, '.4f')} "
+            f"| {fmt(ratio, '.2f')} | {fmt(final_value(run, TRAIN_ACC_KEY, last), '.3f')} "
+            f"| {fmt(final_value(run, EVAL_ACC_KEY, 1), '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="a run folder, a folder with one run, or a CSV")
     p.add_argument("--out", default="docs", help="folder the PNGs go in")
     p.add_argument("--prefix", default="", help="file-name prefix of the PNGs, e.g. arith_")
     p.add_argument("--fit-acc", default="auto", help=f"accuracy metric of the fit: auto | {EVAL_ACC_KEY} | ...")
+    p.add_argument("--baseline", default="grpo", help="label of the run the entropy ratios are taken against")
     args = p.parse_args(argv)
     try:
         runs = [parse_run(spec) for spec in args.runs]
@@ -209,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(results_table(runs, args.baseline))
+    print()
     print(fit_table(runs))
     for run in runs:
         for note in run.notes:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config
 
 
@@ -42,6 +43,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@ray.remote(num_cpus=0)
+def _rendezvous_address() -> tuple[str, int]:
+    return os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address(), free_port()
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -56,6 +62,7 @@ class PolicyActor:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
+        set_cpu_defaults()  # DS_ACCELERATOR=cpu unless this node has CUDA
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -271,11 +278,13 @@ class PolicyActor:
         """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards)."""
         import deepspeed
 
-        params = dict(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.cfg.actor.zero_stage == 3):
-            if self.rank != 0:
-                return None
-            return {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+        # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU
+        state = {}
+        for name, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], enabled=self.cfg.actor.zero_stage == 3):
+                if self.rank == 0:
+                    state[name] = param.detach().to("cpu", copy=True)
+        return state if self.rank == 0 else None
 
     # collective weight sync (weight_sync.py): rank 0 broadcasts to the rollout engines, ZeRO-3 ranks help gather
 
@@ -370,8 +379,12 @@ class PolicyGroup:
             bundle["GPU"] = cfg.actor.num_gpus_per_worker
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ray.get(self.pg.ready())
-        master_addr = os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address()
-        master_port = free_port()
+        # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
+        master_addr, master_port = ray.get(
+            _rendezvous_address.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
+            ).remote()
+        )
         self.actors = [
             PolicyActor.options(
                 num_cpus=cfg.actor.num_cpus_per_worker,

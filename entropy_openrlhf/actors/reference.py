@@ -13,6 +13,9 @@ import torch
 @ray.remote
 class ReferenceActor:
     def __init__(self, model_path: str, dtype: str = "auto", micro_batch_size: int = 4):
+        from entropy_openrlhf.cluster import set_cpu_defaults
+
+        set_cpu_defaults()
         from transformers import AutoModelForCausalLM
 
         from entropy_openrlhf.actors.policy import resolve_dtype

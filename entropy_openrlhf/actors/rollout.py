@@ -36,7 +36,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from entropy_openrlhf.cluster import CPU_DEFAULT_ENV, has_cuda
+from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
 from entropy_openrlhf.samples import PromptItem, Sample
 
 if TYPE_CHECKING:
@@ -103,10 +103,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         **llm_kwargs: Any,
     ):
-        if not has_cuda():
-            # Ray passes these from init_ray; set them here too for an engine started some other way.
-            for key, value in CPU_DEFAULT_ENV.items():
-                os.environ.setdefault(key, value)
+        set_cpu_defaults()
         import vllm.envs
         from vllm import LLM
 

@@ -158,3 +158,30 @@ def test_duplicate_labels_are_refused(tmp_path, capsys):
     run = write_run_folder(tmp_path / "r", synthetic_records(*METHODS["grpo"]))
     code, _, err = run_main(capsys, f"a={run}", f"a={run}", "--out", tmp_path / "out")
     assert code == 2 and "labels must differ" in err
+
+
+def test_results_table_holds_final_values_and_entropy_ratio(tmp_path, capsys):
+    # hand-made runs: the table's figures can be worked out from these few numbers
+    grpo = [{"step": s, "entropy/seq_mean": h, "reward/acc": acc} for s, h, acc in [(0, 1.0, 0.1), (1, 0.2, 0.5)]]
+    kl = [{"step": s, "entropy/seq_mean": h, "reward/acc": acc} for s, h, acc in [(0, 1.0, 0.1), (1, 0.8, 0.3)]]
+    kl[1]["eval/acc"] = 0.45
+    write_run_folder(tmp_path / "grpo", grpo)
+    write_run_folder(tmp_path / "kl", kl)
+    code, out, err = run_main(
+        capsys,
+        f"grpo={tmp_path / 'grpo'}",
+        f"kl_cov={tmp_path / 'kl'}",
+        "--out",
+        tmp_path / "p",
+        "--fit-acc",
+        "reward/acc",
+    )
+    assert code == 0, err
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("| ") and "method" not in line
+    }
+    # last 3 values of a 2-step run = both: grpo entropy (1.0+0.2)/2 = 0.6, kl_cov (1.0+0.8)/2 = 0.9, ratio 1.5
+    assert rows["grpo"] == ["2", "0.6000", "1.00", "0.300", "n/a"]
+    assert rows["kl_cov"] == ["2", "0.9000", "1.50", "0.200", "0.450"]
