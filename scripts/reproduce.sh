@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The small-scale reproduction (docs/results.md): GRPO, clip-higher, Clip-Cov and KL-Cov on the built-in arithmetic
+# task with SmolLM2-135M-Instruct, the same seed, data and budget, several optimizer steps per rollout batch (the
+# paper's recipe shape), held-out accuracy every few steps. Then the plots and the results table.
+#
+#   bash scripts/reproduce.sh                         # all four methods, one after the other
+#   METHODS="grpo kl_cov" bash scripts/reproduce.sh   # a subset
+#   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
+#
+# Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<method>.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${REPRO_OUT:-outputs/repro}
+METHODS=${METHODS:-grpo clip_higher clip_cov kl_cov}
+# Same budget for every method: 8 prompts x 4 samples per step in 4 optimizer mini-batches of 8 sequences.
+COMMON=(--train.seed 1 --train.num_steps 24 --train.mini_batches 4 --rollout.max_new_tokens 128
+    --eval.every 4 --eval.max_samples 64 --async.max_staleness 1 --logger.sample_table_every 0)
+
+mkdir -p "$OUT"
+for method in $METHODS; do
+    echo "== $method: $(date -u +%H:%M:%S)"
+    start=$(date +%s)
+    .venv/bin/python "pipelines/$method.py" --train.output_dir "$OUT/$method" --logger.run_name "repro-$method" \
+        "${COMMON[@]}" "$@" 2>&1 | tee "$OUT/$method.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
+    echo "== $method took $(( $(date +%s) - start )) s"
+done
+
+specs=()
+for method in $METHODS; do specs+=("$method=$OUT/$method"); done
+.venv/bin/python scripts/plot_runs.py "${specs[@]}" --out docs --prefix arith_ | tee "$OUT/results.txt"
