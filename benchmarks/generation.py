@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's) | float32 | bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, else the checkpoint's) | float32 | bfloat16")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for both sides")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side (after one warm-up); best kept")
     return ap.parse_args()

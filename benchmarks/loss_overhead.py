@@ -46,7 +46,7 @@ SHAPES = [(4, 128, 4), (4, 1024, 4), (2, 8192, 8)]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 | tiny | an HF model folder")
-    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's) | bf16 | fp32")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, else the checkpoint's) | bf16 | fp32")
     ap.add_argument("--samples", type=int, default=32, help="sequences in the batch (demo: 8 prompts x 4)")
     ap.add_argument("--prompt-len", type=int, default=160, help="prompt tokens per sequence")
     ap.add_argument("--response-len", type=int, default=128, help="response tokens per sequence (at most)")

@@ -44,7 +44,7 @@ RESULT_TAG = "TRL_RESULT "
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 | tiny | an HF model folder")
-    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's: bf16 for SmolLM2) | bf16 | fp32")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, else the checkpoint's) | bf16 | fp32")
     ap.add_argument("--steps", type=int, default=4, help="RL steps per run; the first is left out of the rate")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
