@@ -379,21 +379,32 @@ class PolicyGroup:
             bundle["GPU"] = cfg.actor.num_gpus_per_worker
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ray.get(self.pg.ready())
-        # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
-        master_addr, master_port = ray.get(
-            _rendezvous_address.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
-            ).remote()
-        )
-        self.actors = [
-            PolicyActor.options(
-                num_cpus=cfg.actor.num_cpus_per_worker,
-                num_gpus=cfg.actor.num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(cfg, model_path, i, n, master_addr, master_port)
-            for i in range(n)
-        ]
-        ray.get([a.get_version.remote() for a in self.actors])  # surface init errors here
+        # The port is free when picked but bound only when rank 0 starts: on a busy node another process can take
+        # it in between (seen with tests and a run side by side), so a lost port means new actors on a new one.
+        for attempt in range(3):
+            # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
+            master_addr, master_port = ray.get(
+                _rendezvous_address.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
+                ).remote()
+            )
+            self.actors = [
+                PolicyActor.options(
+                    num_cpus=cfg.actor.num_cpus_per_worker,
+                    num_gpus=cfg.actor.num_gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                ).remote(cfg, model_path, i, n, master_addr, master_port)
+                for i in range(n)
+            ]
+            try:
+                ray.get([a.get_version.remote() for a in self.actors])  # surface init errors here
+                return
+            except ray.exceptions.RayActorError as e:
+                for actor in self.actors:
+                    ray.kill(actor)
+                if "EADDRINUSE" not in str(e) or attempt == 2:
+                    raise
+                print(f"[entropy-openrlhf] policy rendezvous port {master_port} was taken; retrying on another")
 
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
