@@ -100,3 +100,41 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_
         assert all(torch.equal(after_bad[k], after_all_bad[k]) for k in before)  # nothing moved
     finally:
         group.shutdown()
+
+
+def test_a_taken_rendezvous_port_is_retried_on_a_new_one(ray_cluster, tiny_model, monkeypatch):
+    """The port is picked, then bound by rank 0 later; here another process holds it already (a real EADDRINUSE)."""
+    import socket
+
+    import ray
+
+    from entropy_openrlhf.actors import policy
+
+    holder = socket.socket()
+    holder.bind(("", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+
+    class PickedPorts:  # stands in for the remote task that picks the port on rank 0's node
+        def __init__(self):
+            self.ports = [taken, policy.free_port()]
+
+        def options(self, **_):
+            return self
+
+        def remote(self):
+            return ray.put(("127.0.0.1", self.ports.pop(0)))
+
+    picked = PickedPorts()
+    monkeypatch.setattr(policy, "_rendezvous_address", picked)
+    cfg = from_args(["--preset", "smoke", "--actor.num_workers", "2", "--actor.micro_batch_size", "2"])
+    try:
+        group = PolicyGroup(cfg, tiny_model)
+        try:
+            assert picked.ports == []  # the taken port was tried, then the second one
+            metrics = group.train_step(fixed_batch(), 0)
+            assert metrics["train/tokens"] > 0
+        finally:
+            group.shutdown()
+    finally:
+        holder.close()
