@@ -8,6 +8,8 @@
 #   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<method>.
+# A method whose run finished (its final model exists) is skipped, so the four hours can be spread over several
+# sittings; an unfinished run is started again from scratch. REPRO_FORCE=1 reruns finished ones too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${REPRO_OUT:-outputs/repro}
@@ -20,6 +22,11 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 
 mkdir -p "$OUT"
 for method in $METHODS; do
+    if [[ -d "$OUT/$method/final" && -z "${REPRO_FORCE:-}" ]]; then
+        echo "== $method: finished earlier in $OUT/$method, skipped"
+        continue
+    fi
+    rm -rf "${OUT:?}/$method"
     echo "== $method: $(date -u +%H:%M:%S)"
     start=$(date +%s)
     .venv/bin/python "pipelines/$method.py" --train.output_dir "$OUT/$method" --logger.run_name "repro-$method" \
