@@ -57,6 +57,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling")
     max_new_tokens: int = _f(128, "maximum response length in tokens")
     max_model_len: int = _f(1024, "prompt + response tokens the engine accepts")
+    generate_timeout_s: float = _f(
+        3600.0, "an engine whose generate call runs longer is killed, restarted and given its prompts again (0 = off)"
+    )
 
 
 @dataclass
@@ -358,6 +361,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
+    need(cfg.rollout.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)")
     # Ray resources: a fraction up to 1 or a whole number; a tensor-parallel vLLM engine needs a GPU per shard.
     r, a = cfg.rollout, cfg.actor
     for group, key in (("rollout", "num_gpus_per_engine"), ("rollout", "num_cpus_per_engine"),

@@ -284,6 +284,7 @@ class RolloutGroup:
         dtype: str = "auto",
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
+        generate_timeout_s: float = 0.0,
         **engine_kwargs: Any,
     ):
         if num_gpus_per_engine and num_gpus_per_engine < tensor_parallel_size:
@@ -310,6 +311,9 @@ class RolloutGroup:
         self._synced: tuple[ray.ObjectRef, int] | None = None
         self._sync_timeout_s = 120.0
         self.restarts = 0  # engines that died (and Ray restarted) so far
+        # A generate call that runs longer than this gets its engine killed, which turns a hang into a death the
+        # restart path below already handles; 0 = wait forever.
+        self.generate_timeout_s = generate_timeout_s
         self.actors = [
             RolloutActor.options(
                 num_cpus=num_cpus_per_engine,
@@ -348,24 +352,34 @@ class RolloutGroup:
 
         An engine that dies mid-call is restarted by Ray; the group waits for it, reloads the current weights into
         it and sends it the same prompts again. Seeds are per prompt, so the retry samples what the lost call would
-        have, and nothing is generated twice into the result.
+        have, and nothing is generated twice into the result. An engine that hangs past `generate_timeout_s` is
+        killed and handled the same way.
         """
         kwargs = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
         kwargs.update(policy_version=policy_version)
         chunks = _split(prompts, len(self.actors))
         results: list[list[Sample]] = [[] for _ in chunks]
-        running = {}
+        running = {}  # call -> (engine, attempt, start time)
+        killed: set[ray.ObjectRef] = set()  # calls whose engine the deadline killed
         for i, chunk in enumerate(chunks):
             if chunk:
-                running[self.actors[i].generate.remote(chunk, require_version=self.version, **kwargs)] = (i, 0)
+                ref = self.actors[i].generate.remote(chunk, require_version=self.version, **kwargs)
+                running[ref] = (i, 0, time.monotonic())
         while running:
-            done, _ = ray.wait(list(running), num_returns=1)
-            i, attempt = running.pop(done[0])
+            done, _ = ray.wait(list(running), num_returns=1, timeout=self._poll_s())
+            if not done:
+                self._kill_overdue(running, killed)
+                continue
+            i, attempt, _ = running.pop(done[0])
             try:
                 results[i] = ray.get(done[0])
                 continue
             except ray.exceptions.RayActorError as e:
-                why, died = f"died while generating {len(chunks[i])} prompt(s) ({type(e).__name__})", True
+                if done[0] in killed:
+                    why = f"did not finish generating within --rollout.generate_timeout_s {self.generate_timeout_s:g}"
+                else:
+                    why = f"died while generating {len(chunks[i])} prompt(s) ({type(e).__name__})"
+                died = True
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(e.cause, StaleEngineError):
                     raise
@@ -375,8 +389,25 @@ class RolloutGroup:
                 raise RuntimeError(f"rollout engine {i} {why}, {attempt + 1} times in a row; giving up")
             self._recover(i, why, died)
             ref = self.actors[i].generate.remote(chunks[i], require_version=self.version, **kwargs)
-            running[ref] = (i, attempt + 1)
+            running[ref] = (i, attempt + 1, time.monotonic())
         return [s for part in results for s in part]
+
+    def _poll_s(self) -> float | None:
+        return None if self.generate_timeout_s <= 0 else min(5.0, self.generate_timeout_s / 4)
+
+    def _kill_overdue(self, running: dict, killed: set) -> None:
+        """Kill (for Ray to restart) the engine of every call past the deadline; its call then fails as a death."""
+        import logging
+
+        now = time.monotonic()
+        for ref, (i, _, started) in running.items():
+            if ref not in killed and now - started > self.generate_timeout_s:
+                logging.getLogger(__name__).warning(
+                    "rollout engine %d has been generating for %.0f s (--rollout.generate_timeout_s %g): killing it",
+                    i, now - started, self.generate_timeout_s,
+                )  # fmt: skip
+                ray.kill(self.actors[i], no_restart=False)
+                killed.add(ref)
 
     def _recover(self, i: int, why: str, died: bool) -> None:
         """Wait until Ray has restarted engine `i`, then load the group's current weights into it (a restarted

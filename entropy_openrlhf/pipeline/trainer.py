@@ -115,6 +115,7 @@ class Trainer:
             dtype={"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}[cfg.model.dtype],
             max_model_len=cfg.rollout.max_model_len,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            generate_timeout_s=cfg.rollout.generate_timeout_s,
         )
         self.reward = RewardGroup(
             cfg.reward.verifier,

@@ -1,5 +1,6 @@
-"""Faults done for real on a local Ray cluster: rollout engines killed with SIGKILL (mid-generation and idle), a
-weight sync to an engine that never answers, and a run whose every step has a non-finite loss.
+"""Faults done for real on a local Ray cluster: rollout engines killed with SIGKILL (mid-generation and idle), an
+engine that hangs in generate, a weight sync to an engine that never answers, and a run whose every step has a
+non-finite loss.
 
 The kill and the stall are real signals to the engine's process; the tests only choose the moment (the engine is
 SIGSTOPped first, so the call it is killed in is certainly in flight)."""
@@ -101,6 +102,36 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         assert tokens(got) == tokens(want)  # it refused to generate with stale weights and was reloaded first
         assert ray.get([a.get_version.remote() for a in group.actors]) == [2, 2]
     finally:
+        group.shutdown()
+
+
+def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generated_again(ray_cluster, tiny_model):
+    from safetensors.torch import load_file
+
+    from entropy_openrlhf.actors.rollout import RolloutGroup
+
+    prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
+    sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=5)
+    deadline = 20.0
+    group = RolloutGroup(
+        tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512, generate_timeout_s=deadline
+    )
+    pid = engine_pid(group.actors[0])
+    try:
+        group.update_weights(perturbed(load_file(f"{tiny_model}/model.safetensors"), 3), version=1, timeout_s=60)
+        want = group.generate(prompts, policy_version=1, **sampling)
+        os.kill(pid, signal.SIGSTOP)  # alive but never answering: nothing tells Ray, only the deadline can
+        t0 = time.monotonic()
+        got = group.generate(prompts, policy_version=1, **sampling)
+        assert time.monotonic() - t0 >= deadline
+        assert group.restarts == 1 and engine_pid(group.actors[0]) != pid
+        assert tokens(got) == tokens(want)  # regenerated with the version-1 weights reloaded into the new engine
+        assert [s.policy_version for s in got] == [1] * len(got)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         group.shutdown()
 
 

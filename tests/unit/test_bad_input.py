@@ -73,6 +73,7 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--actor.lr", "-1e-5"], ["--actor.lr", "must be > 0"]),
         (["--actor.lr", "fast"], ["--actor.lr", "invalid float value: 'fast'"]),
         (["--async.max_staleness", "-1"], ["--async.max_staleness", "must be >= 0"]),
+        (["--rollout.generate_timeout_s", "-5"], ["--rollout.generate_timeout_s", "must be >= 0"]),
         (["--preset", "huge"], ["--preset 'huge'", "unknown"]),
         (["--pretrain", str(tmp / "no_model")], ["--pretrain", "no_model", "no HF model"]),
         (["--pretrain", str(tmp / "not_there")], ["--pretrain", "not_there", "no such folder"]),
@@ -85,8 +86,8 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
 CASE_IDS = [
     "missing-dataset", "empty-dataset", "row-without-prompt", "row-without-label", "wrong-type", "non-utf8",
     "unknown-flag", "ratio-zero", "ratio-above-one", "negative-lr", "lr-not-a-number", "negative-staleness",
-    "unknown-preset", "folder-without-model", "missing-model-folder", "verifier-import-error", "verifier-missing",
-    "prompt-longer-than-context",
+    "negative-generate-deadline", "unknown-preset", "folder-without-model", "missing-model-folder",
+    "verifier-import-error", "verifier-missing", "prompt-longer-than-context",
 ]  # fmt: skip
 
 
