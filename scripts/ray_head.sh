@@ -14,8 +14,11 @@ start)
         VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
     export PATH="$PWD/.venv/bin:$PATH"  # a job's `python` is the venv's
     mkdir -p "$tmp"
+    # The dashboard agent gets a free port (0): the default 52365 is taken by any other Ray on the machine, and an
+    # agent without its port leaves `ray job submit` failing with "No available agent to submit job".
     .venv/bin/ray start --head --node-ip-address=127.0.0.1 --port="$gcs" --dashboard-host=127.0.0.1 \
-        --dashboard-port="$dash" --ray-client-server-port=$((gcs + 1)) --min-worker-port=20000 --max-worker-port=29999 \
+        --dashboard-port="$dash" --dashboard-agent-listen-port=0 --ray-client-server-port=$((gcs + 1)) \
+        --min-worker-port=20000 --max-worker-port=29999 \
         --num-cpus=16 --object-store-memory=1000000000 --temp-dir="$tmp" --disable-usage-stats >"$tmp/start.log" 2>&1 \
         || { cat "$tmp/start.log"; exit 1; }
     echo "$gcs" >"$tmp/gcs_port"

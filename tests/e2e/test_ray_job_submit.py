@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -10,8 +11,21 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 
 
+def hold_default_agent_port() -> socket.socket | None:
+    """Listen on the dashboard agent's default port, as another Ray on the machine would; None if one already does."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 52365))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
 def test_ray_job_submit_kl_cov_smoke_succeeds(tmp_path):
     head = tempfile.mkdtemp(prefix="eor_e2e_", dir="/tmp")
+    held = hold_default_agent_port()  # the head must not depend on that port being free
     dash, gcs = "8275", "6395"
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
     subprocess.run(["bash", "scripts/ray_head.sh", "start", head, dash, gcs], cwd=ROOT, check=True, env=env)
@@ -35,4 +49,6 @@ def test_ray_job_submit_kl_cov_smoke_succeeds(tmp_path):
         assert runs and len(runs[0].read_text().splitlines()) == 2
     finally:
         subprocess.run(["bash", "scripts/ray_head.sh", "stop", head], cwd=ROOT, env=env)
+        if held:
+            held.close()
     assert subprocess.run(["pgrep", "-f", head], capture_output=True).returncode == 1  # nothing of it left
