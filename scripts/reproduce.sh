@@ -32,6 +32,9 @@ for method in $METHODS; do
     .venv/bin/python "pipelines/$method.py" --train.output_dir "$OUT/$method" --logger.run_name "repro-$method" \
         "${COMMON[@]}" "$@" 2>&1 | tee "$OUT/$method.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
     echo "== $method took $(( $(date +%s) - start )) s"
+    # the per-step metrics, kept beside the plots so they can be redrawn once outputs/ is gone
+    mkdir -p "$PLOTS/runs/$method"
+    cp "$OUT/$method"/wandb/offline-run-*/files/metrics.jsonl "$PLOTS/runs/$method/metrics.jsonl"
 done
 
 specs=()
