@@ -43,6 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RENDEZVOUS_ATTEMPTS = 3  # ports picked for the ranks' rendezvous before a taken one fails the start
+
+
 @ray.remote(num_cpus=0)
 def _rendezvous_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address(), free_port()
@@ -381,7 +384,7 @@ class PolicyGroup:
         ray.get(self.pg.ready())
         # The port is free when picked but bound only when rank 0 starts: on a busy node another process can take
         # it in between (seen with tests and a run side by side), so a lost port means new actors on a new one.
-        for attempt in range(3):
+        for attempt in range(RENDEZVOUS_ATTEMPTS):
             # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
             master_addr, master_port = ray.get(
                 _rendezvous_address.options(
@@ -402,7 +405,7 @@ class PolicyGroup:
             except ray.exceptions.RayActorError as e:
                 for actor in self.actors:
                     ray.kill(actor)
-                if "EADDRINUSE" not in str(e) or attempt == 2:
+                if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_ATTEMPTS - 1:
                     raise
                 print(f"[entropy-openrlhf] policy rendezvous port {master_port} was taken; retrying on another")
 

