@@ -24,7 +24,7 @@ import time
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="", help="HF model folder, or 'smollm2'; default: a tiny random model")
+    ap.add_argument("--model", default="tiny", help="tiny (a random model) | smollm2 | an HF model folder")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=1, help="responses per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -123,17 +123,10 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from entropy_openrlhf.actors.rollout import RolloutEngine, resolve_dtype
+    from entropy_openrlhf.models import model_folder
 
-    model_path = args.model
-    if model_path == "smollm2":
-        from entropy_openrlhf.models.smollm2 import ensure_smollm2
-
-        model_path = ensure_smollm2()
-    elif not model_path:
-        from entropy_openrlhf.models.tiny import make_tiny_model
-
-        tmp = tempfile.TemporaryDirectory(prefix="tiny_model_")  # removed when the process ends
-        model_path = str(make_tiny_model(tmp.name))
+    tmp = tempfile.TemporaryDirectory(prefix="generation_")  # removed when the process ends
+    model_path = model_folder(args.model, tmp.name)
     dtype = resolve_dtype(args.dtype, model_path)
     if dtype == "auto":
         dtype = "float32"

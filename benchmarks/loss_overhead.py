@@ -59,18 +59,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def resolve_model(name: str, tmp: str) -> str:
-    if name == "smollm2":
-        from entropy_openrlhf.models.smollm2 import ensure_smollm2
-
-        return ensure_smollm2()
-    if name == "tiny":
-        from entropy_openrlhf.models.tiny import make_tiny_model
-
-        return str(make_tiny_model(tmp))
-    return name
-
-
 def fixed_batch(args, vocab: int, seed: int = 0):
     """GRPO-shaped samples: groups of 4 share a prompt and get normalised advantages; lengths vary a little."""
     from entropy_openrlhf.actors.policy import TrainSample
@@ -234,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             from entropy_openrlhf.cluster import init_ray
+            from entropy_openrlhf.models import model_folder
 
-            model_path = resolve_model(args.model, tmp.name)
+            model_path = model_folder(args.model, tmp.name)
             started = init_ray(num_cpus=8)
             try:
                 times, last = time_steps(args, model_path)

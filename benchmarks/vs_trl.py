@@ -238,17 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         from entropy_openrlhf.actors.policy import resolve_dtype
         from entropy_openrlhf.cluster import init_ray
         from entropy_openrlhf.data.arith_task import write_builtin_task
+        from entropy_openrlhf.models import model_folder
 
-        if args.model == "smollm2":
-            from entropy_openrlhf.models.smollm2 import ensure_smollm2
-
-            model_path = ensure_smollm2()
-        elif args.model == "tiny":
-            from entropy_openrlhf.models.tiny import make_tiny_model
-
-            model_path = str(make_tiny_model(Path(tmp.name) / "tiny_model"))
-        else:
-            model_path = args.model
+        model_path = model_folder(args.model, tmp.name)
         dtype = args.dtype if args.dtype != "auto" else str(resolve_dtype("auto", model_path)).split(".")[-1]
         dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
         data = write_builtin_task(Path(tmp.name) / "data", seed=42)

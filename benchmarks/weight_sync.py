@@ -58,18 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def resolve_model(name: str, tmp: str) -> str:
-    if name == "smollm2":
-        from entropy_openrlhf.models.smollm2 import ensure_smollm2
-
-        return ensure_smollm2()
-    if name == "tiny":
-        from entropy_openrlhf.models.tiny import make_tiny_model
-
-        return str(make_tiny_model(Path(tmp) / "tiny_model"))
-    return name
-
-
 def has_collective() -> bool:
     """The collective path is newer than the object-store one; measure it where the checkout has it."""
     from entropy_openrlhf.actors.rollout import RolloutGroup
@@ -85,8 +73,9 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
     from entropy_openrlhf.config import from_args
     from entropy_openrlhf.data.arith_task import write_builtin_task
     from entropy_openrlhf.data.dataset import load_prompts
+    from entropy_openrlhf.models import model_folder
 
-    model_path = resolve_model(name, tmp)
+    model_path = model_folder(name, tmp)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train, _ = write_builtin_task(Path(tmp) / "data", seed=42, n_train=args.prompts, n_test=1)
     prompts = load_prompts(train, tokenizer=tokenizer)

@@ -37,6 +37,9 @@ for method in $METHODS; do
     cp "$OUT/$method"/wandb/offline-run-*/files/metrics.jsonl "$PLOTS/runs/$method/metrics.jsonl"
 done
 
+# Every method measured so far, not just this call's: the runs can be spread over several sittings.
 specs=()
-for method in $METHODS; do specs+=("$method=$OUT/$method"); done
+for method in $(printf "%s\n" grpo clip_higher clip_cov kl_cov $METHODS | awk '!seen[$0]++'); do
+    if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
+done
 .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix arith_ | tee "$OUT/results.txt"
