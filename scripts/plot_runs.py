@@ -114,7 +114,7 @@ def _figure(title: str, xlabel: str, ylabel: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -124,7 +124,8 @@ def _figure(title: str, xlabel: str, ylabel: str):
 
 def _save(plt, fig, ax, path: Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        # Outside the axes: with four methods an inside legend hides the curves.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -152,9 +153,10 @@ def plot_runs(runs: list[Run], out_dir: Path, prefix: str = "", fit_acc: str = "
     for i, run in enumerate(runs):
         train, held_out = run.series(TRAIN_ACC_KEY), run.series(EVAL_ACC_KEY)
         if train is not None:
-            ax.plot(*train, color=f"C{i}", label=f"{run.label} (train {TRAIN_ACC_KEY})")
+            # Faint: 16 samples a step make the training curve noisy; the held-out line is the one to read.
+            ax.plot(*train, color=f"C{i}", alpha=0.35, lw=1, label=f"{run.label} (train {TRAIN_ACC_KEY})")
         if held_out is not None:
-            ax.plot(*held_out, color=f"C{i}", ls="--", marker="o", ms=3, label=f"{run.label} ({EVAL_ACC_KEY})")
+            ax.plot(*held_out, color=f"C{i}", ls="--", lw=2, marker="o", ms=4, label=f"{run.label} ({EVAL_ACC_KEY})")
         if train is None and held_out is None:
             run.notes.append(f"no {TRAIN_ACC_KEY} or {EVAL_ACC_KEY}")
     if not ax.lines:
