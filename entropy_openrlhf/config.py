@@ -36,7 +36,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = _f("", "training prompts: jsonl, parquet or a saved HF dataset; empty = the built-in arithmetic task")
-    test: str = _f("", "evaluation prompts (same formats); empty = the built-in task's test split when train is empty")
+    test: str = _f(
+        "",
+        "evaluation prompts (same formats), several files separated by commas; empty = the built-in task's test "
+        "split when train is empty",
+    )
     input_key: str = _f("prompt", "field holding the prompt: a string (one user message) or a chat message list")
     label_key: str = _f("label", "field holding the ground truth; dotted paths work (reward_model.ground_truth)")
     apply_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template")
@@ -162,7 +166,7 @@ class RefConfig:
 @dataclass
 class EvalConfig:
     every: int = _f(0, "evaluate on data.test every N steps (0 = off)")
-    max_samples: int = _f(64, "evaluation prompts used")
+    max_samples: int = _f(64, "rows used from each test set (0 = all; scripts/evaluate.py defaults to all)")
     n_samples: int = _f(1, "samples per prompt for avg@k on aime/amc sources (T=0.6); others greedy")
 
 

@@ -2,9 +2,10 @@
 aime / aime25 / amc, greedy pass@1 for every other source. Prints a table per source and the average.
 
     .venv/bin/python scripts/evaluate.py --pretrain outputs/run/final --data.test aime24.jsonl,math500.jsonl \\
-        --eval.n_samples 32 --rollout.max_new_tokens 8192
+        --eval.n_samples 32 --rollout.max_new_tokens 8192 --rollout.max_model_len 9216
 
-Takes the trainer's flags (dotted, see --help); several test files are separated by commas.
+Takes the trainer's flags (dotted, see --help); several test files are separated by commas, `--eval.max_samples`
+cuts each (0 = all). Without `--data.test`, the built-in task's test split.
 """
 
 from __future__ import annotations
@@ -17,26 +18,13 @@ from entropy_openrlhf.config import ConfigError, from_args
 
 def main(argv: list[str] | None = None) -> int:
     cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
-    from transformers import AutoTokenizer
-
-    from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
-    from entropy_openrlhf.pipeline.main import resolve_data, resolve_model
-    from rewards import VerifierLoadError, load_verifier
+    from entropy_openrlhf.data.dataset import DatasetError
+    from entropy_openrlhf.pipeline.main import prepare
+    from rewards import VerifierLoadError
 
     try:
-        load_verifier(cfg.reward.verifier)
-        model_path = resolve_model(cfg)
-        paths = [p for p in cfg.data.test.split(",") if p] or [resolve_data(cfg)[1]]
-        for p in paths:
-            validate_dataset(p, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        items = []
-        for p in paths:
-            items += load_prompts(
-                p, tokenizer=tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
-                apply_chat_template=cfg.data.apply_chat_template, system_prompt=cfg.data.system_prompt or None,
-                max_samples=cfg.eval.max_samples or None,
-            )  # fmt: skip
+        # the trainer's checks and loading; the training prompts it also loads are not used
+        model_path, _, items = prepare(cfg)
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,25 +35,26 @@ def resolve_model(cfg: Config) -> str:
     return name
 
 
-def resolve_data(cfg: Config) -> tuple[str, str]:
-    """Paths of the training and test prompts; the built-in task is written to the output folder when no
-    training data is given."""
+def resolve_data(cfg: Config) -> tuple[str, list[str]]:
+    """Paths of the training prompts and of the test sets (`--data.test` takes several, separated by commas); the
+    built-in task is written to the output folder when no training data is given."""
     from entropy_openrlhf.data.dataset import validate_dataset
 
-    train, test = cfg.data.train, cfg.data.test
+    train = cfg.data.train
+    tests = [p.strip() for p in cfg.data.test.split(",") if p.strip()]
     if not train:
         from entropy_openrlhf.data.arith_task import write_builtin_task
 
         train, builtin_test = write_builtin_task(Path(cfg.train.output_dir) / "data", seed=cfg.train.seed)
-        test = test or builtin_test
+        tests = tests or [str(builtin_test)]
         cfg.data.input_key, cfg.data.label_key = "prompt", "label"
-    for path in filter(None, (train, test)):
+    for path in [train, *tests]:
         validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
-    return str(train), str(test) if test else ""
+    return str(train), tests
 
 
 def prepare(cfg: Config):
-    """All checks and input loading; no actor starts here."""
+    """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set."""
     from transformers import AutoTokenizer
 
     from entropy_openrlhf.data.dataset import load_prompts
@@ -62,7 +63,7 @@ def prepare(cfg: Config):
     validate(cfg)
     load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
     model_path = resolve_model(cfg)
-    train_path, test_path = resolve_data(cfg)
+    train_path, test_paths = resolve_data(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(
         tokenizer=tokenizer,
@@ -72,9 +73,12 @@ def prepare(cfg: Config):
         system_prompt=cfg.data.system_prompt or None,
     )
     train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
-    test_items = load_prompts(test_path, max_samples=cfg.eval.max_samples or None, **kw) if test_path else []
     check_prompt_lengths(train_path, train_items, tokenizer, cfg)
-    check_prompt_lengths(test_path, test_items, tokenizer, cfg)
+    test_items = []
+    for path in test_paths:
+        items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)
+        check_prompt_lengths(path, items, tokenizer, cfg)
+        test_items += items
     return model_path, train_items, test_items
 
 

@@ -227,7 +227,8 @@ class Trainer:
 
         t0 = time.time()
         with self.engine_lock:
-            result = evaluate(self.rollout, self.reward, self.test_items[: cfg.eval.max_samples or None], cfg)
+            # prepare() already cut each test set to eval.max_samples
+            result = evaluate(self.rollout, self.reward, self.test_items, cfg)
         result["time/eval"] = time.time() - t0
         self.eval_results.append((self.engine_version, result))
 

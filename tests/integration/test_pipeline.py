@@ -23,6 +23,8 @@ def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3)
             "--train.output_dir", str(tmp_path / "run"),
             "--reward.verifier", VERIFIER,
             "--rollout.max_new_tokens", "16",
+            "--eval.every", "2",
+            "--eval.max_samples", "6",
         ],
         {"loss.type": loss},
     )  # fmt: skip
@@ -44,6 +46,16 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
             assert h["rollout/samples"] == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             assert torch.isfinite(torch.tensor(h["loss/policy"]))
             assert h["entropy/seq_mean"] > 0
+        # in-training evaluation of the built-in test split: the initial weights, logged with step 0, then only
+        # versions that are multiples of eval.every
+        assert history[0]["eval/policy_version"] == 0
+        evals = [h for h in history if "eval/acc" in h]
+        assert all(h["eval/policy_version"] % 2 == 0 for h in evals)
+        for h in evals:
+            per_source = [v for k, v in h.items() if k.startswith("eval/") and k.endswith("/acc") and k != "eval/acc"]
+            assert per_source and all(0 <= v <= 1 for v in per_source)
+            assert abs(h["eval/acc"] - sum(per_source) / len(per_source)) < 1e-9
+            assert 0 < h["eval/response_len"] <= 16 and h["time/eval"] > 0
         if staleness == 0:
             assert all(h["async/staleness_mean"] == 0 for h in history)
         else:
@@ -74,6 +86,7 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
     assert [x["step"] for x in lines] == [0, 1, 2]
     for key in ("entropy/seq_mean", "cov/max", "loss/kl_cov_frac", "reward/mean", "time/step"):
         assert key in lines[-1]
+    assert lines[0]["eval/policy_version"] == 0 and "eval/acc" in lines[0]
     assert_documented({k for line in lines for k in line if k != "step"})
 
 

@@ -1,6 +1,7 @@
 """Bad input through the real entry point (`pipeline.main.main`, what pipelines/*.py run): each case exits with code
 2 and one line on stderr naming the file, row, field or flag, before Ray or any actor starts."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,6 +53,7 @@ def jsonl(path: Path, rows: list) -> str:
 def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     """(flags, words the message must hold)."""
     good = {"prompt": "What is 2 + 2?", "label": "4"}
+    long = {"prompt": "two plus two " * 800, "label": "4"}
     latin1 = tmp / "latin1.jsonl"
     latin1.write_bytes(b'{"prompt": "caf\xe9 au lait?", "label": "1"}\n')
     empty = tmp / "empty.jsonl"
@@ -80,6 +82,15 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--reward.verifier", f"{broken}:verify"], ["broken_verifier.py", "a_module_that_is_not_there"]),
         (["--reward.verifier", "nope.py:verify"], ["nope.py", "not found"]),
         (["--rollout.max_model_len", "40"], ["row 0", "--rollout.max_model_len 40"]),
+        # the second of two test sets: named, not the first or the comma-joined flag
+        (
+            ["--data.test", f"{jsonl(tmp / 'test_a.jsonl', [good])},{tmp / 'test_b.jsonl'}"],
+            [f"error: {tmp / 'test_b.jsonl'}: no such file"],
+        ),
+        (
+            ["--data.test", f"{jsonl(tmp / 'test_a.jsonl', [good])},{jsonl(tmp / 'long.jsonl', [good, long])}"],
+            ["long.jsonl: row 1", "--rollout.max_model_len 1024"],
+        ),
     ]
 
 
@@ -87,7 +98,8 @@ CASE_IDS = [
     "missing-dataset", "empty-dataset", "row-without-prompt", "row-without-label", "wrong-type", "non-utf8",
     "unknown-flag", "ratio-zero", "ratio-above-one", "negative-lr", "lr-not-a-number", "negative-staleness",
     "negative-generate-deadline", "unknown-preset", "folder-without-model", "missing-model-folder",
-    "verifier-import-error", "verifier-missing", "prompt-longer-than-context",
+    "verifier-import-error", "verifier-missing", "prompt-longer-than-context", "second-test-set-missing",
+    "test-prompt-longer-than-context",
 ]  # fmt: skip
 
 
@@ -103,6 +115,16 @@ def test_bad_input_exits_2_with_one_line_naming_it(case, model, tmp_path, capsys
     for word in words:
         assert word in lines[0], lines[0]
     assert not (tmp_path / "out" / "wandb").exists()  # nothing was started
+
+
+def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, capsys, no_ray):
+    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = tmp_path / "aime.jsonl"
+    code = module.main(["--pretrain", model, "--data.test", str(missing), "--train.output_dir", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == f"error: {missing}: no such file or folder"
 
 
 def test_the_command_line_exits_2_and_starts_no_ray(tmp_path):
