@@ -41,18 +41,21 @@ def set_cpu_defaults() -> None:
             os.environ.setdefault(key, value)
 
 
-def actor_env(local: bool = True) -> dict[str, str]:
-    """The environment every actor gets: on a local cluster (this machine) loopback, and CPU defaults unless set
-    or a GPU exists; on a cluster we joined, only the user's W&B settings and PYTHONPATH."""
-    env = {}
-    if local:
-        env.update(LOOPBACK_ENV)
-        if not has_cuda():
-            env.update({key: os.environ.get(key, value) for key, value in CPU_DEFAULT_ENV.items()})
+def actor_env() -> dict[str, str]:
+    """The environment every actor of a local cluster (started by this process) gets: loopback, CPU defaults unless
+    set or a GPU exists, and the user's W&B settings and PYTHONPATH. A cluster we join gets nothing from us."""
+    env = dict(LOOPBACK_ENV)
+    if not has_cuda():
+        env.update({key: os.environ.get(key, value) for key, value in CPU_DEFAULT_ENV.items()})
     for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def joins_cluster() -> bool:
+    """True when this process runs as a Ray job or was pointed at a cluster (RAY_ADDRESS): init_ray joins it."""
+    return bool(os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
 
 
 def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
@@ -62,9 +65,11 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None)
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"):
-        # A submitted job: the cluster's own network settings stand (multi-node clusters are not on loopback).
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env={"env_vars": actor_env(local=False)})
+    if joins_cluster():
+        # A submitted job: the cluster's own network settings stand (multi-node clusters are not on loopback), and
+        # the job's runtime env (`ray job submit --runtime-env-json`) already reaches every actor. Adding env_vars
+        # here would make Ray merge two runtime envs, which fails (ValueError) when the job set env_vars too.
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
         return False
     for key, value in actor_env().items():
         os.environ.setdefault(key, value)
@@ -78,3 +83,39 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None)
         log_to_driver=True,
     )
     return True
+
+
+# --------------------------------------------------------------------------- waiting on Ray, with deadlines
+
+
+def _free_resources() -> str:
+    import ray
+
+    free = ray.available_resources()
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(free.items()) if not k.startswith(("node:", "memory", "object")))
+
+
+def wait_placement(pg, what: str, timeout_s: float) -> None:
+    """Wait for a placement group; on timeout remove it and fail naming the group and the cluster's free resources
+    (a group that cannot be placed would otherwise wait forever, silently)."""
+    from ray.util.placement_group import remove_placement_group
+
+    if not pg.wait(timeout_s):
+        remove_placement_group(pg)
+        raise TimeoutError(
+            f"{what}: Ray could not place it within {timeout_s:.0f} s (--ray.placement_timeout_s); free resources: "
+            f"{_free_resources()}; `ray status` shows what holds the rest"
+        )
+
+
+def wait_started(refs: list, what: str, timeout_s: float) -> list:
+    """ray.get of actors' start-up calls with a deadline; on timeout the error names the group."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"{what} did not start within {timeout_s:.0f} s (--ray.start_timeout_s): loading the model, or waiting "
+            f"for a resource; free resources: {_free_resources()}"
+        ) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -20,6 +21,12 @@ def _f(default, help: str, **kw):  # noqa: A002 - `help` reads best at the call 
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
+
+
+_CUSTOM_HELP = (
+    "extra Ray resources each {what} reserves, as JSON, e.g. {example} to place it on the nodes started with "
+    "`ray start --resources '{example}'` (CPU/GPU have their own flags)"
+)
 
 
 @dataclass
@@ -55,6 +62,7 @@ class RolloutConfig:
     tensor_parallel_size: int = _f(1, "GPUs per engine (tensor parallelism); 1 on CPU")
     num_cpus_per_engine: float = _f(1.0, "Ray CPUs reserved per engine")
     num_gpus_per_engine: float = _f(0.0, "Ray GPUs per engine (0 on CPU machines)")
+    custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="engine", example='{"node_a": 1}'))
     batch_size: int = _f(8, "prompts per RL step")
     n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)")
     temperature: float = _f(1.0, "sampling temperature (the paper: 1.0)")
@@ -74,6 +82,7 @@ class RewardConfig:
     num_workers: int = _f(2, "verifier worker actors")
     timeout_s: float = _f(5.0, "per-sample verifier deadline; a timeout scores 0")
     num_cpus_per_worker: float = _f(0.25, "Ray CPUs per verifier worker")
+    custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="verifier worker", example='{"cpu_pool": 1}'))
 
 
 @dataclass
@@ -81,6 +90,7 @@ class ActorConfig:
     num_workers: int = _f(1, "data-parallel DeepSpeed policy actors")
     num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
     num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
+    custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="policy rank", example='{"node_b": 1}'))
     lr: float = _f(1e-5, "AdamW learning rate, constant (the paper's 1e-6 is for 7B/32B: the qwen presets set it)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
@@ -135,6 +145,9 @@ class TrainConfig:
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
     output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
     save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
+    keep_checkpoints: int = _f(
+        2, "keep the newest N complete checkpoints, delete older ones (0 = keep all; a 7B one is ~120 GB)"
+    )
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir/checkpoints")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient")
 
@@ -161,6 +174,7 @@ class RefConfig:
     enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
     num_cpus: float = _f(0.5, "Ray CPUs for the reference actor")
     num_gpus: float = _f(0.0, "Ray GPUs for the reference actor")
+    custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="reference actor", example='{"node_b": 1}'))
 
 
 @dataclass
@@ -180,6 +194,12 @@ class LoggerConfig:
 @dataclass
 class RayConfig:
     num_cpus: int = _f(16, "logical CPUs of a local Ray cluster (actors share the real cores)")
+    placement_timeout_s: float = _f(
+        300.0, "a group whose placement group the cluster cannot place within this many seconds fails, naming it"
+    )
+    start_timeout_s: float = _f(
+        1800.0, "an actor group that has not started (model loaded, ranks met) within this many seconds fails"
+    )
 
 
 @dataclass
@@ -257,6 +277,17 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _parse_json_object(text: str) -> dict:
+    example = """'{"node_a": 1}'"""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as {example}, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as {example}, got {text!r}")
+    return value
+
+
 def _converter(default):
     if isinstance(default, bool):
         return _parse_bool
@@ -266,6 +297,8 @@ def _converter(default):
         return float
     if isinstance(default, list):
         return lambda s: [float(x) for x in s.split(",")]
+    if isinstance(default, dict):
+        return _parse_json_object
     return str
 
 
@@ -294,12 +327,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     for key, f, default in _fields(Config()):
         flags = [f"--{key}"] + (["--pretrain"] if key == "model.pretrain" else [])
         shown = ",".join(str(x) for x in default) if isinstance(default, list) else default
+        shown = json.dumps(shown) if isinstance(shown, dict) else shown
         p.add_argument(
             *flags,
             dest=key,
             type=_converter(default),
             default=None,
-            metavar={bool: "BOOL", int: "INT", float: "FLOAT", list: "A,B"}.get(type(default), "STR"),
+            metavar={bool: "BOOL", int: "INT", float: "FLOAT", list: "A,B", dict: "JSON"}.get(type(default), "STR"),
             help=f"{f.metadata['help']} [{shown}]".replace("%", "%%"),
         )
     return p
@@ -393,6 +427,16 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.sync.method in ("auto", "object_store", "collective"), "sync.method", "auto | object_store | collective")
     need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
     need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
+    need(cfg.train.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)")
+    need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s", "must be > 0")
+    need(cfg.ray.start_timeout_s > 0, "ray.start_timeout_s", "must be > 0")
+    for group in ("rollout", "actor", "reward", "ref"):
+        for key, amount in getattr(cfg, group).custom_resources.items():
+            flag = f"{group}.custom_resources"
+            need(key not in ("CPU", "GPU", "memory"), flag, f"{key!r}: set CPUs and GPUs with their own flags")
+            ok = isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0
+            need(ok and (amount <= 1 or float(amount).is_integer()), flag,
+                 f"{key!r}: {amount!r} must be a number > 0, a fraction <= 1 or a whole number")  # fmt: skip
     need(
         cfg.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
         "algo.advantage",

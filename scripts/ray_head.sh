@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start or stop a Ray head on 127.0.0.1 that lives in its own temp dir, so it can be stopped alone.
 #   scripts/ray_head.sh start TMPDIR DASHBOARD_PORT GCS_PORT
+# It gives Ray 2 logical CPUs (RAY_HEAD_NUM_CPUS), Ray's own default on a 2-core laptop: a run that reserves more
+# has its CPU reservations scaled to fit (entropy_openrlhf/preflight.py).
 #   scripts/ray_head.sh stop TMPDIR
 # `ray stop` is never used: it ends every Ray process on the machine, other users' included.
 set -euo pipefail
@@ -9,9 +11,10 @@ cmd=$1 tmp=$2
 case $cmd in
 start)
     dash=${3:-8265} gcs=${4:-6390}
-    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1 MASTER_ADDR=127.0.0.1 \
-        GLOO_SOCKET_IFNAME=lo DS_ACCELERATOR=cpu WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=1 \
-        VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+    # Loopback only: the network settings of a one-machine cluster. Nothing else: each actor sets the CPU settings
+    # it needs itself (entropy_openrlhf.cluster.set_cpu_defaults), as on anyone's cluster.
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo
+    unset MASTER_ADDR DS_ACCELERATOR VLLM_CPU_KVCACHE_SPACE VLLM_ENABLE_V1_MULTIPROCESSING VLLM_CPU_OMP_THREADS_BIND
     export PATH="$PWD/.venv/bin:$PATH"  # a job's `python` is the venv's
     mkdir -p "$tmp"
     # The dashboard agent gets a free port (0): the default 52365 is taken by any other Ray on the machine, and an
@@ -19,7 +22,7 @@ start)
     .venv/bin/ray start --head --node-ip-address=127.0.0.1 --port="$gcs" --dashboard-host=127.0.0.1 \
         --dashboard-port="$dash" --dashboard-agent-listen-port=0 --ray-client-server-port=$((gcs + 1)) \
         --min-worker-port=20000 --max-worker-port=29999 \
-        --num-cpus=16 --object-store-memory=1000000000 --temp-dir="$tmp" --disable-usage-stats >"$tmp/start.log" 2>&1 \
+        --num-cpus="${RAY_HEAD_NUM_CPUS:-2}" --object-store-memory=1000000000 --temp-dir="$tmp" --disable-usage-stats >"$tmp/start.log" 2>&1 \
         || { cat "$tmp/start.log"; exit 1; }
     echo "$gcs" >"$tmp/gcs_port"
     echo "Ray head on 127.0.0.1:$gcs, dashboard http://127.0.0.1:$dash"

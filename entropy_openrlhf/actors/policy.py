@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from entropy_openrlhf.cluster import set_cpu_defaults
+from entropy_openrlhf.cluster import set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.config import Config
 
 
@@ -47,8 +47,12 @@ RENDEZVOUS_ATTEMPTS = 3  # ports picked for the ranks' rendezvous before a taken
 
 
 @ray.remote(num_cpus=0)
-def _rendezvous_address() -> tuple[str, int]:
-    return os.environ.get("MASTER_ADDR") or ray.util.get_node_ip_address(), free_port()
+def _rendezvous_address(local: bool) -> tuple[str, int]:
+    """Rank 0's node address and a free port there. MASTER_ADDR counts only on a local cluster (127.0.0.1): raylets
+    on a real cluster may have inherited one (SLURM sets it) that names another host."""
+    if local and os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], free_port()
+    return ray.util.get_node_ip_address(), free_port()
 
 
 def _mean(values: list[float]) -> float:
@@ -306,10 +310,14 @@ class PolicyActor:
     def broadcast_weights(self) -> int:
         return self.weight_sender.broadcast()
 
-    def save_hf(self, path: str) -> None:
+    def save_hf(self, path: str, source_model: str | None = None) -> None:
+        """Rank 0 writes the weights and config; with `source_model`, also its tokenizer files, chat template and
+        generation config (written here, on rank 0's node, which reads the model folder anyway)."""
         state = self.export_weights()
         if self.rank == 0:
             self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+            if source_model is not None:
+                copy_tokenizer_and_generation_config(source_model, path)
 
     def save_checkpoint(self, path: str, tag: str) -> None:
         self.engine.save_checkpoint(path, tag=tag)
@@ -367,41 +375,64 @@ def resolve_dtype(name: str, model_path: str) -> torch.dtype:
     return torch.bfloat16 if saved == "bfloat16" else torch.float32
 
 
+def copy_tokenizer_and_generation_config(source: str, target: str) -> None:
+    """What `save_pretrained` of a model leaves out: the tokenizer files (chat template included) and the
+    generation config (eos ids, sampling defaults), taken from the model the run started from."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    try:
+        GenerationConfig.from_pretrained(source).save_pretrained(target)
+    except OSError:  # the source has none: save_pretrained already wrote one derived from the model config
+        pass
+
+
 class PolicyGroup:
     """Driver-side handle: creates the ranks in a placement group, shards each batch, gathers metrics."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(self, cfg: Config, model_path: str, local: bool = True):
+        """`local`: the driver started this Ray itself (everything on 127.0.0.1)."""
         from ray.util.placement_group import placement_group
-
-        self.cfg = cfg
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.cfg, self.model_path = cfg, model_path
         n = cfg.actor.num_workers
-        bundle = {"CPU": cfg.actor.num_cpus_per_worker}
+        bundle = {"CPU": cfg.actor.num_cpus_per_worker, **cfg.actor.custom_resources}
         if cfg.actor.num_gpus_per_worker:
             bundle["GPU"] = cfg.actor.num_gpus_per_worker
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ray.get(self.pg.ready())
+        wait_placement(self.pg, f"the policy group ({n} rank(s) of {bundle})", cfg.ray.placement_timeout_s)
         # The port is free when picked but bound only when rank 0 starts: on a busy node another process can take
         # it in between (seen with tests and a run side by side), so a lost port means new actors on a new one.
         for attempt in range(RENDEZVOUS_ATTEMPTS):
             # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
-            master_addr, master_port = ray.get(
+            master_addr, master_port = wait_started(
                 _rendezvous_address.options(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
-                ).remote()
+                ).remote(local),
+                "the policy's rendezvous address task",
+                cfg.ray.start_timeout_s,
             )
             self.actors = [
                 PolicyActor.options(
                     num_cpus=cfg.actor.num_cpus_per_worker,
                     num_gpus=cfg.actor.num_gpus_per_worker,
+                    resources=cfg.actor.custom_resources or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 ).remote(cfg, model_path, i, n, master_addr, master_port)
                 for i in range(n)
             ]
             try:
-                ray.get([a.get_version.remote() for a in self.actors])  # surface init errors here
+                # surfaces init errors; the ranks meet at master_addr:master_port inside their __init__
+                wait_started(
+                    [a.get_version.remote() for a in self.actors],
+                    f"the policy group ({n} DeepSpeed rank(s), rendezvous at {master_addr}:{master_port})",
+                    cfg.ray.start_timeout_s,
+                )
                 return
+            except TimeoutError:
+                self.shutdown()
+                raise
             except ray.exceptions.RayActorError as e:
                 for actor in self.actors:
                     ray.kill(actor)
@@ -440,7 +471,9 @@ class PolicyGroup:
         return [a.broadcast_weights.remote() for a in self.actors]
 
     def save_hf(self, path: str) -> None:
-        ray.get([a.save_hf.remote(path) for a in self.actors])
+        """A complete HF folder: weights and config from the policy, plus the tokenizer (with its chat template) and
+        generation config of the initial model, so vLLM and transformers load it with nothing else at hand."""
+        ray.get([a.save_hf.remote(path, self.model_path) for a in self.actors])
 
     def save_checkpoint(self, path: str, tag: str) -> None:
         ray.get([a.save_checkpoint.remote(path, tag) for a in self.actors])

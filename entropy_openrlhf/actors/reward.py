@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.samples import Sample
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class RewardGroup:
         num_workers: int = 2,
         timeout_s: float = 5.0,
         num_cpus_per_worker: float = 0.25,
+        custom_resources: dict[str, float] | None = None,
         stuck_grace_s: float = STUCK_GRACE_S,
+        start_timeout_s: float = 600.0,
     ):
         from rewards import VerifierLoadError, load_verifier
 
@@ -71,11 +74,19 @@ class RewardGroup:
         self.timeout_s = timeout_s
         self.stuck_grace_s = stuck_grace_s
         self._lock = threading.Lock()  # one score() at a time; the driver calls it from a background thread
+        # SPREAD: on a multi-node cluster the verifier load goes to every node rather than piling onto one
         self.workers = [
-            VerifierWorker.options(num_cpus=num_cpus_per_worker).remote(self.spec, timeout_s)
+            VerifierWorker.options(
+                num_cpus=num_cpus_per_worker, resources=custom_resources or None, scheduling_strategy="SPREAD"
+            ).remote(self.spec, timeout_s)
             for _ in range(num_workers)
         ]
-        errors = [e for e in ray.get([w.ready.remote() for w in self.workers]) if e]
+        try:
+            ready = wait_started([w.ready.remote() for w in self.workers], "the reward group", start_timeout_s)
+        except TimeoutError:
+            self.shutdown()
+            raise
+        errors = [e for e in ready if e]
         if errors:
             self.shutdown()
             raise VerifierLoadError(f"verifier {verifier!r} does not load in a worker: {errors[0]}")

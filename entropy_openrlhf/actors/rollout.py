@@ -37,7 +37,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
+from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.samples import PromptItem, Sample
 
 if TYPE_CHECKING:
@@ -288,6 +288,9 @@ class RolloutGroup:
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
         generate_timeout_s: float = 0.0,
+        custom_resources: dict[str, float] | None = None,
+        placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+        start_timeout_s: float = ENGINE_RESTART_TIMEOUT_S,
         **engine_kwargs: Any,
     ):
         if num_gpus_per_engine and num_gpus_per_engine < tensor_parallel_size:
@@ -297,17 +300,12 @@ class RolloutGroup:
             )
         self.tensor_parallel_size, self.num_gpus_per_engine = tensor_parallel_size, num_gpus_per_engine
         self.collective: SyncEndpoint | None = None  # set by init_collective
-        bundle = {"CPU": num_cpus_per_engine}
+        bundle = {"CPU": num_cpus_per_engine, **(custom_resources or {})}
         if num_gpus_per_engine:
             bundle["GPU"] = num_gpus_per_engine
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
         # Fail with a clear message instead of waiting forever for resources the cluster does not have.
-        if not self.pg.wait(PLACEMENT_TIMEOUT_S):
-            remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"no room for {num_engines} rollout engine(s) of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s; "
-                f"cluster resources: {ray.available_resources()}"
-            )
+        wait_placement(self.pg, f"the rollout group ({num_engines} engine(s) of {bundle})", placement_timeout_s)
         # Fault handling (generate, update_weights): the policy version every engine must hold, and the object ref
         # of its weights, kept so that an engine Ray restarts from the initial model can be given them again.
         self.version = 0
@@ -321,6 +319,7 @@ class RolloutGroup:
             RolloutActor.options(
                 num_cpus=num_cpus_per_engine,
                 num_gpus=num_gpus_per_engine,
+                resources=custom_resources or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=ENGINE_MAX_RESTARTS,
                 max_task_retries=0,  # the group retries, after reloading the weights Ray's retry would not restore
@@ -334,8 +333,9 @@ class RolloutGroup:
             )
             for i in range(num_engines)
         ]
-        try:
-            ray.get([a.ready.remote() for a in self.actors])  # surface start-up errors here
+        try:  # surface start-up errors here
+            wait_started([a.ready.remote() for a in self.actors], f"the rollout group ({num_engines} vLLM engine(s))",
+                         start_timeout_s)  # fmt: skip
         except Exception:
             self.shutdown()
             raise

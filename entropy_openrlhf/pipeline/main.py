@@ -15,7 +15,9 @@ from entropy_openrlhf.config import Config, ConfigError, from_args, validate
 from entropy_openrlhf.presets import PIPELINES
 
 
-def resolve_model(cfg: Config) -> str:
+def resolve_model(cfg: Config, shared: bool = False) -> str:
+    """The model folder. The built-in ones are made on the spot: `tiny` under the output folder, SmolLM2 in a cache
+    on this machine, or with `shared` (a multi-node cluster) under the output folder, which every node mounts."""
     from entropy_openrlhf.models.tiny import make_tiny_model
 
     name = cfg.model.pretrain
@@ -25,9 +27,9 @@ def resolve_model(cfg: Config) -> str:
             make_tiny_model(folder, seed=cfg.train.seed)
         return str(folder)
     if not name:
-        from entropy_openrlhf.models.smollm2 import ensure_smollm2
+        from entropy_openrlhf.models.smollm2 import MODEL_NAME, ensure_smollm2
 
-        return ensure_smollm2()
+        return ensure_smollm2(str(Path(cfg.train.output_dir) / "models" / MODEL_NAME) if shared else None)
     if not Path(name).is_dir():
         raise ConfigError(f"--pretrain {name}: no such folder (models are not downloaded at run time)")
     if not (Path(name) / "config.json").exists():
@@ -53,9 +55,10 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
     return str(train), tests
 
 
-def prepare(cfg: Config, need_train: bool = True):
+def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
     """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set. Without
-    `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys."""
+    `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys.
+    `shared_model`: write a built-in model where every node of a multi-node cluster can read it."""
     from transformers import AutoTokenizer
 
     from entropy_openrlhf.data.dataset import load_prompts
@@ -63,7 +66,7 @@ def prepare(cfg: Config, need_train: bool = True):
 
     validate(cfg)
     load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
-    model_path = resolve_model(cfg)
+    model_path = resolve_model(cfg, shared=shared_model)
     train_path, test_paths = resolve_data(cfg, need_train)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     kw = dict(
@@ -111,24 +114,37 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    import ray
+
+    from entropy_openrlhf.cluster import init_ray, joins_cluster
     from entropy_openrlhf.data.dataset import DatasetError
+    from entropy_openrlhf.pipeline.tracking import Tracker
+    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
+    from entropy_openrlhf.preflight import check_nodes, cluster_snapshot, fit_cluster
     from rewards import VerifierLoadError
 
     if not cfg.logger.run_name:
         cfg.logger.run_name = f"{pipeline}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Relative to the job's working directory, which on a cluster is a private copy on each node: made absolute
+    # here, and checked below to be the same folder on every node that writes to it.
+    cfg.train.output_dir = os.path.abspath(cfg.train.output_dir)
+    joining, started = joins_cluster(), False
     try:
-        model_path, train_items, test_items = prepare(cfg)
+        if joining:  # connecting starts no actor; the node count decides where a built-in model is written
+            init_ray()
+        multi_node = joining and sum(1 for n in ray.nodes() if n.get("Alive")) > 1
+        model_path, train_items, test_items = prepare(cfg, shared_model=multi_node)
+        started = init_ray(cfg.ray.num_cpus)
+        note = fit_cluster(cfg, *cluster_snapshot())
+        if note:
+            print(f"[entropy-openrlhf] {note}", flush=True)
+        check_nodes(cfg, model_path)
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if started:
+            ray.shutdown()
         return 2
 
-    import ray
-
-    from entropy_openrlhf.cluster import init_ray
-    from entropy_openrlhf.pipeline.tracking import Tracker
-    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
-
-    started = init_ray(cfg.ray.num_cpus)
     tracker = Tracker(cfg.logger.wandb_project, cfg.logger.run_name, cfg.flatten(), cfg.train.output_dir)
     print(
         f"[entropy-openrlhf] {pipeline}: model {model_path}, {len(train_items)} train / {len(test_items)} test "
@@ -137,11 +153,11 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
     )
     trainer = Trainer(cfg, model_path, train_items, test_items)
     try:
-        trainer.start_groups()
+        trainer.start_groups(local=started)
         start_step = trainer.resume() if cfg.train.resume else 0
         history = trainer.run(tracker, start_step=start_step)
         final = Path(cfg.train.output_dir) / "final"
-        trainer.policy.save_hf(str(final))
+        trainer.policy.save_hf(str(final))  # weights, config, tokenizer and generation config
         if history:  # empty when resuming a run whose last checkpoint is its final step
             print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)

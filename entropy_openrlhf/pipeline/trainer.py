@@ -27,6 +27,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.samples import PromptItem, Sample
 
@@ -96,9 +97,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ actor groups
 
-    def start_groups(self) -> None:
-        import ray
-
+    def start_groups(self, local: bool = True) -> None:
+        """Start the four actor groups. `local`: the driver started this Ray itself, on 127.0.0.1."""
         from entropy_openrlhf.actors.policy import PolicyGroup
         from entropy_openrlhf.actors.reference import ReferenceActor
         from entropy_openrlhf.actors.reward import RewardGroup
@@ -116,20 +116,25 @@ class Trainer:
             max_model_len=cfg.rollout.max_model_len,
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             generate_timeout_s=cfg.rollout.generate_timeout_s,
+            custom_resources=cfg.rollout.custom_resources,
+            placement_timeout_s=cfg.ray.placement_timeout_s,
+            start_timeout_s=cfg.ray.start_timeout_s,
         )
         self.reward = RewardGroup(
             cfg.reward.verifier,
             num_workers=cfg.reward.num_workers,
             timeout_s=cfg.reward.timeout_s,
             num_cpus_per_worker=cfg.reward.num_cpus_per_worker,
+            custom_resources=cfg.reward.custom_resources,
+            start_timeout_s=cfg.ray.start_timeout_s,
         )
         self.reference = None
         if cfg.ref.enabled:
-            self.reference = ReferenceActor.options(num_cpus=cfg.ref.num_cpus, num_gpus=cfg.ref.num_gpus).remote(
-                self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size
-            )
-            ray.get(self.reference.ready.remote())
-        self.policy = PolicyGroup(cfg, self.model_path)
+            self.reference = ReferenceActor.options(
+                num_cpus=cfg.ref.num_cpus, num_gpus=cfg.ref.num_gpus, resources=cfg.ref.custom_resources or None
+            ).remote(self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size)
+            wait_started([self.reference.ready.remote()], "the reference model actor", cfg.ray.start_timeout_s)
+        self.policy = PolicyGroup(cfg, self.model_path, local=local)
         if self.sync_method == "collective":
             self.rollout.init_collective(self.policy, timeout_s=cfg.sync.timeout_s)
         self.startup_seconds = time.time() - t0
@@ -381,7 +386,7 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
-        self.policy.save_hf(str(tmp / "hf"))
+        self.policy.save_hf(str(tmp / "hf"))  # a complete HF folder: weights, config, tokenizer
         state = {
             "step": version,
             "stream_epoch": stream_after[0],
@@ -395,6 +400,7 @@ class Trainer:
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(root, self.cfg.train.keep_checkpoints)
         return final
 
     def resume(self) -> int:
@@ -444,6 +450,28 @@ def latest_checkpoint(root: Path) -> Path | None:
         if match and (path / "trainer_state.json").is_file():
             done.append((int(match.group(1)), path))
     return max(done)[1] if done else None
+
+
+def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints (0 = keep all); return what was deleted. Each is first
+    renamed to .del-step<N> (one atomic step, after which resume no longer sees it) and then removed, so a run
+    killed in the middle leaves a folder resume ignores, never a half-deleted checkpoint it would pick."""
+    for leftover in root.glob(".del-step*"):  # from a run killed while deleting
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep <= 0 or not root.is_dir():
+        return []
+    done = sorted(
+        (int(m.group(1)), path)
+        for path in root.iterdir()
+        if (m := CHECKPOINT_NAME.fullmatch(path.name)) and (path / "trainer_state.json").is_file()
+    )
+    deleted = []
+    for _, path in done[:-keep]:
+        doomed = root / f".del-{path.name}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(path)
+    return deleted
 
 
 def summarize(history: list[dict[str, float]], startup_s: float) -> str:

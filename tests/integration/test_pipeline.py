@@ -75,6 +75,10 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
         policy_lp = trainer.policy.forward_log_probs(prompt_ids, response_ids)[0]
         assert len(vllm_lp) == len(policy_lp) == 6
         assert max(abs(a - b) for a, b in zip(vllm_lp, policy_lp)) < 1e-3
+        if staleness == 0:
+            final = tmp_path / "final"
+            trainer.policy.save_hf(str(final))
+            check_saved_model_stands_alone(final, model_path, after, tmp_path)
     finally:
         trainer.shutdown_groups()
         tracker.finish()
@@ -88,6 +92,32 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
         assert key in lines[-1]
     assert lines[0]["eval/policy_version"] == 0 and "eval/acc" in lines[0]
     assert_documented({k for line in lines for k in line if k != "step"})
+
+
+def check_saved_model_stands_alone(final: Path, model_path: str, weights: dict, tmp_path: Path) -> None:
+    """The saved folder is a complete model: with the run's model folder gone, transformers loads it with the chat
+    template, and scripts/evaluate.py serves it with vLLM."""
+    import runpy
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source_template = AutoTokenizer.from_pretrained(model_path).chat_template
+    alone = tmp_path / "elsewhere" / "model"
+    shutil.copytree(final, alone)
+    shutil.rmtree(model_path)  # nothing can fall back to the initial model's files
+    tok = AutoTokenizer.from_pretrained(alone)
+    assert tok.chat_template and tok.chat_template == source_template
+    assert (alone / "generation_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(alone)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "label": str(i + 1)}) + "\n" for i in range(2)))
+    evaluate = runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "evaluate.py"))["main"]
+    code = evaluate(["--pretrain", str(alone), "--data.test", str(data), "--rollout.max_new_tokens", "4",
+                     "--reward.verifier", VERIFIER, "--train.output_dir", str(tmp_path / "eval_out")])  # fmt: skip
+    assert code == 0
 
 
 def documented_metrics() -> tuple[set[str], list[str]]:

@@ -37,3 +37,26 @@ def test_nothing_to_resume(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     make(tmp_path, ".tmp-step2")
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
+    from entropy_openrlhf.pipeline.trainer import rotate_checkpoints
+
+    for step in (2, 4, 10, 6):
+        make(tmp_path, f"step{step}")
+    make(tmp_path, "step12", complete=False)  # not complete: neither counted nor deleted
+    make(tmp_path, ".tmp-step14")
+    make(tmp_path, ".del-step1")  # left by a run killed while deleting
+    deleted = rotate_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in deleted) == ["step2", "step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step14", "step10", "step12", "step6"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step10"  # resume still finds the newest
+
+
+def test_rotation_off_keeps_everything(tmp_path):
+    from entropy_openrlhf.pipeline.trainer import rotate_checkpoints
+
+    for step in (2, 4, 6):
+        make(tmp_path, f"step{step}")
+    assert rotate_checkpoints(tmp_path, keep=0) == []
+    assert len(list(tmp_path.iterdir())) == 3
