@@ -86,3 +86,28 @@ def test_bad_custom_resources_name_the_flag():
         cfg = smoke("--reward.custom_resources", value)
         with pytest.raises(ConfigError, match=rf"--reward.custom_resources: .*{why}"):
             validate(cfg)
+
+
+def test_the_node_check_names_each_problem(tmp_path):
+    from entropy_openrlhf.preflight import _check_node
+
+    check = _check_node._function  # the plain function Ray runs on each node
+    model, out = tmp_path / "model", tmp_path / "out"
+    model.mkdir()
+    out.mkdir()
+    (out / ".token").write_text("abc")
+    assert check(str(model), str(out), ".token", "abc") == [f"--pretrain {model}: no HF model there (no config.json)"]
+    (model / "config.json").write_text("{}")
+    assert check(str(model), None, ".token", "abc") == [
+        f"--pretrain {model}: config.json but no weights (.safetensors or .bin)"
+    ]
+    (model / "model.safetensors").write_bytes(b"")
+    assert check(str(model), str(out), ".token", "abc") == []
+    # another node's disk: the folder exists and is writable, but it is not the one the driver wrote the token to
+    (out / ".token").write_text("written by another driver")
+    [problem] = check(None, str(out), ".token", "abc")
+    assert problem.startswith(f"--train.output_dir {out} is not the folder the driver writes to")
+    blocked = tmp_path / "a-file"  # root writes anywhere: a file in the folder's place makes the write fail
+    blocked.write_text("")
+    [problem] = check(None, str(blocked), ".token", "abc")
+    assert problem.startswith(f"--train.output_dir {blocked} is not writable")
