@@ -34,21 +34,29 @@ def call_with_deadline(fn: Callable[..., T], timeout_s: float | None, /, *args: 
 
 
 def _call_with_alarm(fn: Callable[..., T], timeout_s: float, args: tuple, kwargs: dict) -> T:
+    fired = []
+
     def on_alarm(signum, frame):
+        fired.append(True)
+        if clamped and callable(outer_handler):
+            outer_handler(signum, frame)  # it is the outer deadline that expired: the outer handler reports it
         raise CheckTimeout(f"no result within {timeout_s:g} s")
 
     # Nesting: an outer deadline (another call_with_deadline, pytest-timeout) keeps its timer. Ours fires no later
-    # than it, and the outer one is re-armed with what remains of it afterwards.
+    # than it, and the outer one is re-armed with what remains of it afterwards. When the outer deadline is the
+    # earlier one, the alarm is the outer deadline: its own handler runs, from inside this call, and the timer is
+    # not re-armed to fire a second time once this call has returned.
     outer_handler = signal.signal(signal.SIGALRM, on_alarm)
     outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    clamped = 0 < outer_left <= timeout_s
     start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, min(timeout_s, outer_left) if outer_left > 0 else timeout_s)
+    signal.setitimer(signal.ITIMER_REAL, outer_left if clamped else timeout_s)
     try:
         return fn(*args, **kwargs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer_handler)
-        if outer_left > 0:
+        if outer_left > 0 and not (clamped and fired):
             signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-6))
 
 
