@@ -71,8 +71,15 @@ class Sampler(threading.Thread):
         self.groups: dict[str, Peaks] = {}
         self.cluster = Peaks()
         self.samples = 0
+        self.error: BaseException | None = None  # what ended the sampling early, if anything did
 
     def run(self) -> None:
+        try:
+            self._sample_until_stopped()
+        except BaseException as e:  # noqa: BLE001 - main() reports it and prints no figure
+            self.error = e
+
+    def _sample_until_stopped(self) -> None:
         import psutil
 
         me = psutil.Process()
@@ -83,8 +90,8 @@ class Sampler(threading.Thread):
                     title = " ".join(proc.cmdline()) or proc.name()
                     mem = proc.memory_full_info()  # rss, and pss from /proc/<pid>/smaps_rollup
                     hwm = _vm_hwm(proc.pid)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    continue
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
+                    continue  # it exited between the listing and the reads: it is in no sum of this sample
                 group = classify(title, proc.pid == me.pid)
                 s = sums.setdefault(group, [0.0, 0.0, 0])
                 s[0] += mem.rss
@@ -104,11 +111,14 @@ class Sampler(threading.Thread):
 
 
 def _vm_hwm(pid: int) -> float:
-    """The kernel's peak RSS of a process (VmHWM), in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return float(line.split()[1]) * 1024
+    """The kernel's peak RSS of a process (VmHWM), in bytes. Raises ProcessLookupError if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
     return 0.0
 
 
@@ -138,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: could not measure: the run failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
+        sampled_to_the_end = sampler.is_alive()
         sampler.stop.set()
         sampler.join()
         tmp.cleanup()
+    if sampler.error is not None or not sampled_to_the_end:
+        why = f"the memory sampler stopped during the run: {sampler.error!r}"
+        print(f"error: could not measure: {why}", file=sys.stderr)
+        return 1
     seconds = time.time() - t0
     if code != 0:
         print(f"error: could not measure: the run exited with {code}", file=sys.stderr)
