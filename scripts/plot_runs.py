@@ -202,7 +202,7 @@ def final_value(run: Run, key: str, last: int) -> float | None:
     return None if s is None else float(np.mean(s[1][-last:]))
 
 
-def results_table(runs: list[Run], baseline: str, last: int = 3) -> str:
+def results_table(runs: list[Run], baseline: str, last: int = 10) -> str:
     """docs/results.md's table, in markdown: final entropy, accuracies and the entropy ratio to the baseline run."""
     base = next((r for r in runs if r.label == baseline), None)
     base_h = final_value(base, ENTROPY_KEY, last) if base else None
@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="", help="file-name prefix of the PNGs, e.g. arith_")
     p.add_argument("--fit-acc", default="auto", help=f"accuracy metric of the fit: auto | {EVAL_ACC_KEY} | ...")
     p.add_argument("--baseline", default="grpo", help="label of the run the entropy ratios are taken against")
+    p.add_argument("--last", type=int, default=10, help="the table averages each metric over the last N steps")
     args = p.parse_args(argv)
     try:
         runs = [parse_run(spec) for spec in args.runs]
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(results_table(runs, args.baseline))
+    print(results_table(runs, args.baseline, args.last))
     print()
     print(fit_table(runs))
     for run in runs:

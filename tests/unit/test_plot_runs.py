@@ -182,6 +182,6 @@ def test_results_table_holds_final_values_and_entropy_ratio(tmp_path, capsys):
         for line in out.splitlines()
         if line.startswith("| ") and "method" not in line
     }
-    # last 3 values of a 2-step run = both: grpo entropy (1.0+0.2)/2 = 0.6, kl_cov (1.0+0.8)/2 = 0.9, ratio 1.5
+    # the last 10 values of a 2-step run are both: grpo entropy (1.0+0.2)/2 = 0.6, kl_cov (1.0+0.8)/2 = 0.9, ratio 1.5
     assert rows["grpo"] == ["2", "0.6000", "1.00", "0.300", "n/a"]
     assert rows["kl_cov"] == ["2", "0.9000", "1.50", "0.200", "0.450"]
