@@ -44,8 +44,8 @@ def make_prompts(tokenizer, count: int) -> list[str]:
     ]
 
 
-def time_vllm(engine, prompts: list[str], args) -> tuple[float, int]:
-    """Best seconds over the repeats, and the tokens generated in one run."""
+def vllm_runner(engine, prompts: list[str], args):
+    """A function that generates the whole batch with `max_new` tokens a response and returns the token count."""
     from vllm import SamplingParams
 
     from entropy_openrlhf.actors.rollout import prompt_seed
@@ -69,16 +69,11 @@ def time_vllm(engine, prompts: list[str], args) -> tuple[float, int]:
         outputs = engine.llm.generate(inputs, params, use_tqdm=False)
         return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
-    run(8)  # warm-up
-    best, tokens = float("inf"), 0
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        tokens = run(args.max_new_tokens)
-        best = min(best, time.perf_counter() - t0)
-    return best, tokens
+    return run
 
 
-def time_hf(model, tokenizer, prompts: list[str], args) -> tuple[float, int]:
+def hf_runner(model, tokenizer, prompts: list[str], args):
+    """The transformers side of `vllm_runner`: the same batch, lengths and sampling settings."""
     import torch
 
     tokenizer.padding_side = "left"
@@ -106,13 +101,21 @@ def time_hf(model, tokenizer, prompts: list[str], args) -> tuple[float, int]:
         return new_tokens.numel()
 
     torch.manual_seed(0)
-    run(8)  # warm-up
-    best, tokens = float("inf"), 0
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        tokens = run(args.max_new_tokens)
-        best = min(best, time.perf_counter() - t0)
-    return best, tokens
+    return run
+
+
+def best_of_interleaved(runners: dict, max_new: int, repeats: int) -> dict[str, tuple[float, int]]:
+    """Each runner warmed up, then timed `repeats` times, the runners taking turns, so a burst of load on the
+    machine falls on both sides alike; the best seconds of each and the tokens it generated."""
+    for run in runners.values():
+        run(8)
+    best = {name: (float("inf"), 0) for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            t0 = time.perf_counter()
+            tokens = run(max_new)
+            best[name] = (min(best[name][0], time.perf_counter() - t0), tokens)
+    return best
 
 
 def main() -> int:
@@ -131,23 +134,27 @@ def main() -> int:
     if dtype == "auto":
         dtype = "float32"
 
-    rows = []
+    load_before = os.getloadavg()[0]
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = make_prompts(tokenizer, args.prompts)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-        rows.append(("transformers generate", *time_hf(model, tokenizer, prompts, args)))
-        del model
         longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
         engine = RolloutEngine(model_path, dtype=dtype, max_model_len=longest + args.max_new_tokens)
-        rows.append(("vLLM (RolloutEngine)", *time_vllm(engine, prompts, args)))
+        runners = {
+            "transformers generate": hf_runner(model, tokenizer, prompts, args),
+            "vLLM (RolloutEngine)": vllm_runner(engine, prompts, args),
+        }
+        best = best_of_interleaved(runners, args.max_new_tokens, args.repeats)
+        rows = [(name, *best[name]) for name in runners]
     except Exception as e:  # noqa: BLE001 - report and exit non-zero, as documented
         print(f"could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
     print(
         f"model {model_path} ({dtype}), {args.prompts} prompts x {args.n} responses x {args.max_new_tokens} tokens, "
-        f"T={args.temperature}, top_p={args.top_p}, {args.threads} threads, best of {args.repeats}"
+        f"T={args.temperature}, top_p={args.top_p}, {args.threads} threads, best of {args.repeats} interleaved; "
+        f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}"
     )
     print(f"{'engine':<24}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     for name, seconds, tokens in rows:

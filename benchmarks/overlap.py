@@ -105,6 +105,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
     started = init_ray(num_cpus=4)
+    load_before = os.getloadavg()[0]
     rows = []
     try:
         for gen_s, train_s in ((0.7, 0.3), (0.3, 0.7)):
@@ -120,6 +121,7 @@ def main() -> int:
     )
     for g, t, s, a, up, bound, eff in rows:
         print(f"{g:5.2f} {t:5.2f} {s:12.3f} {a:13.3f} {up:9.3f} {bound:6.3f} {eff:9.3f}")
+    print(f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     if not rows or any(r[3] <= 0 for r in rows):
         print("overlap_efficiency: not measured")
         return 1
