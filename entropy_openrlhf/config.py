@@ -72,6 +72,18 @@ class RolloutConfig:
     generate_timeout_s: float = _f(
         3600.0, "an engine whose generate call runs longer is killed, restarted and given its prompts again (0 = off)"
     )
+    gpu_memory_utilization: float = _f(
+        0.0,
+        "share of each engine's GPU memory vLLM fills with weights, CUDA graphs and KV cache; 0 = auto: 0.9 on GPUs "
+        "(the engines have their GPUs to themselves), 0.8 on CPU (there a share of the node's RAM, unused while "
+        "VLLM_CPU_KVCACHE_SPACE sets the KV cache)",
+    )
+    enforce_eager: str = _f(
+        "auto", "run vLLM without CUDA graphs / compilation: auto (false on GPUs, true on CPU) | true | false"
+    )
+    enable_prefix_caching: bool = _f(True, "vLLM prefix caching: the n samples of a prompt share its KV blocks")
+    max_num_seqs: int = _f(0, "most sequences an engine runs at once (0 = vLLM's default for the device)")
+    max_num_batched_tokens: int = _f(0, "most tokens an engine processes per step (0 = vLLM's default for the device)")
 
 
 @dataclass
@@ -400,6 +412,18 @@ def validate(cfg: Config) -> list[str]:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
     need(cfg.rollout.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)")
+    gmu = cfg.rollout.gpu_memory_utilization
+    need(0 <= gmu <= 1, "rollout.gpu_memory_utilization", f"{gmu:g} must be in (0, 1], or 0 for auto")
+    need(cfg.rollout.enforce_eager in ("auto", "true", "false"), "rollout.enforce_eager",
+         f"{cfg.rollout.enforce_eager!r}: auto | true | false")  # fmt: skip
+    need(cfg.rollout.max_num_seqs >= 0, "rollout.max_num_seqs", "must be >= 0 (0 = vLLM's default)")
+    need(cfg.rollout.max_num_batched_tokens >= 0, "rollout.max_num_batched_tokens", "must be >= 0 (0 = vLLM's default)")
+    need(
+        not (0 < cfg.rollout.max_num_batched_tokens < cfg.rollout.max_num_seqs),
+        "rollout.max_num_batched_tokens",
+        f"{cfg.rollout.max_num_batched_tokens} is below --rollout.max_num_seqs {cfg.rollout.max_num_seqs}: every "
+        "running sequence needs a token per step (vLLM refuses this)",
+    )
     # Ray resources: a fraction up to 1 or a whole number; a tensor-parallel vLLM engine needs a GPU per shard.
     r, a = cfg.rollout, cfg.actor
     for group, key in (("rollout", "num_gpus_per_engine"), ("rollout", "num_cpus_per_engine"),

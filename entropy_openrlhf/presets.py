@@ -69,6 +69,17 @@ _DAPO_COMMON: dict[str, Any] = {
     # keeps the whole 7B run within the 16 logical CPUs of a local Ray (--ray.num_cpus)
     "reward.num_workers": 16,
     "reward.num_cpus_per_worker": 0.25,
+    # vLLM on GPUs. CUDA graphs on: responses run to 8192 tokens, and the long tail of a round decodes a few
+    # sequences at a time, where kernel launches dominate each step without graphs. The engines have their GPUs to
+    # themselves (the trainer ranks hold others), so 0.9 of the memory goes to weights, CUDA graphs and KV cache;
+    # the 8 GB left of an 80 GB GPU take the weight sync's NCCL buffers and the one tensor it receives at a time
+    # (1.1-1.5 GB). Prefix caching on (vLLM's default): the 8 samples of a prompt share its blocks. The per-step
+    # token budget stays vLLM's per-GPU choice (16384 on H100; 8192 on A100, where more was slower). The presets
+    # below set max_num_seqs to each engine's share of a generation round (256 prompts x 8).
+    "rollout.enforce_eager": "false",
+    "rollout.gpu_memory_utilization": 0.9,
+    "rollout.enable_prefix_caching": True,
+    "rollout.max_num_batched_tokens": 0,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -100,6 +111,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.num_workers": 4,
         "actor.num_gpus_per_worker": 1.0,
         "sync.timeout_s": 900.0,  # each sync moves the full 15 GB of bf16 weights; not measured on GPUs
+        # 2048 responses per round / 2 engines. The KV cache (57 KB per token, ~120 GB per engine at 0.9) holds
+        # ~2k tokens for each of the 1024 at once; beyond that vLLM preempts and recomputes the latest ones
+        "rollout.max_num_seqs": 1024,
     },
     # Four 8-GPU nodes (80 GB GPUs): 8 vLLM engines x TP 2 (16 GPUs) + 16 DeepSpeed ranks (16 GPUs) = 32.
     # ZeRO-3 over 16 ranks holds about 33 GB of model and optimizer state per GPU.
@@ -112,6 +126,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.num_workers": 16,
         "actor.num_gpus_per_worker": 1.0,
         "sync.timeout_s": 1800.0,  # each sync moves the full 65 GB of bf16 weights; not measured on GPUs
+        # 2048 responses per round / 8 engines. The KV cache (256 KB per token, ~70 GB per engine at 0.9 after the
+        # 33 GB of weights per GPU) holds ~1k tokens for each of the 256 at once; beyond that vLLM preempts and
+        # recomputes the latest ones. Lower it if the engines' logs show many preemptions.
+        "rollout.max_num_seqs": 256,
     },
 }
 

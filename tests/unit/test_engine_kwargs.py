@@ -1,0 +1,93 @@
+"""The --rollout vLLM flags on their way to `LLM(...)`: config -> Trainer's RolloutGroup call -> RolloutEngine ->
+the LLM keyword arguments. Pure plumbing, tested without starting vLLM or Ray."""
+
+import pytest
+
+from entropy_openrlhf.actors import rollout
+from entropy_openrlhf.actors.rollout import engine_tuning_kwargs
+from entropy_openrlhf.config import from_args
+
+
+def test_auto_is_eager_at_0_8_on_cpu_exactly_as_before():
+    # the CPU engine always ran LLM(..., gpu_memory_utilization=0.8, enforce_eager=True)
+    assert engine_tuning_kwargs(on_gpu=False) == {"gpu_memory_utilization": 0.8, "enforce_eager": True}
+
+
+def test_auto_on_gpus_uses_cuda_graphs_and_leaves_vllm_s_scheduler_defaults():
+    assert engine_tuning_kwargs(on_gpu=True) == {"gpu_memory_utilization": 0.9, "enforce_eager": False}
+
+
+def test_explicit_values_reach_the_kwargs_and_only_non_defaults_are_passed():
+    kwargs = engine_tuning_kwargs(
+        on_gpu=True, gpu_memory_utilization=0.7, enforce_eager="true", enable_prefix_caching=False,
+        max_num_seqs=256, max_num_batched_tokens=16384,
+    )  # fmt: skip
+    assert kwargs == {
+        "gpu_memory_utilization": 0.7,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 16384,
+    }
+    assert engine_tuning_kwargs(on_gpu=False, enforce_eager="false")["enforce_eager"] is False
+    assert engine_tuning_kwargs(on_gpu=True, enforce_eager=True)["enforce_eager"] is True  # a bool works too
+    with pytest.raises(ValueError, match="enforce_eager 'maybe'"):
+        engine_tuning_kwargs(on_gpu=True, enforce_eager="maybe")
+
+
+class FakeLLM:
+    calls: list[dict] = []
+
+    def __init__(self, **kwargs):
+        FakeLLM.calls.append(kwargs)
+
+    def get_tokenizer(self):
+        return None
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_the_engine_passes_the_flags_into_llm(monkeypatch, on_gpu):
+    import vllm
+
+    FakeLLM.calls = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(rollout, "has_cuda", lambda: on_gpu)
+    monkeypatch.setattr(rollout, "set_cpu_defaults", lambda: None)  # leaves this process's environment alone
+    rollout.RolloutEngine("/m", dtype="float32", enforce_eager="auto", max_num_seqs=96, enable_prefix_caching=False)
+    (kwargs,) = FakeLLM.calls
+    assert kwargs["enforce_eager"] is (not on_gpu)
+    assert kwargs["gpu_memory_utilization"] == (0.9 if on_gpu else 0.8)
+    assert kwargs["max_num_seqs"] == 96 and kwargs["enable_prefix_caching"] is False
+    assert "max_num_batched_tokens" not in kwargs  # 0: vLLM's own default
+    assert kwargs["worker_extension_cls"] == rollout.WORKER_EXTENSION and kwargs["model"] == "/m"
+
+
+TUNING_FLAGS = ("gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "max_num_seqs",
+                "max_num_batched_tokens")  # fmt: skip
+
+
+class Started(Exception):
+    pass
+
+
+def test_the_trainer_hands_the_rollout_flags_to_its_rollout_group(monkeypatch):
+    from entropy_openrlhf.pipeline.trainer import Trainer
+
+    seen = {}
+
+    def fake_group(model_path, **kwargs):
+        seen.update(kwargs)
+        raise Started  # the other groups are not this test's business
+
+    monkeypatch.setattr(rollout, "RolloutGroup", fake_group)
+    trainer = Trainer.__new__(Trainer)  # start_groups reads only cfg and model_path before the rollout group
+    trainer.cfg = from_args(["--preset", "qwen2.5-32b-dapo", "--rollout.gpu_memory_utilization", "0.85"])
+    trainer.model_path = "/m"
+    with pytest.raises(Started):
+        trainer.start_groups()
+    assert seen["gpu_memory_utilization"] == 0.85
+    assert seen["enforce_eager"] == "false" and seen["enable_prefix_caching"] is True
+    assert seen["max_num_seqs"] == 256 and seen["max_num_batched_tokens"] == 0
+    # RolloutGroup passes them on to each RolloutEngine as its **engine_kwargs; on a GPU node they become
+    kwargs = engine_tuning_kwargs(on_gpu=True, **{k: seen[k] for k in TUNING_FLAGS})
+    assert kwargs == {"gpu_memory_utilization": 0.85, "enforce_eager": False, "max_num_seqs": 256}
