@@ -383,6 +383,9 @@ class PolicyActor:
     def get_version(self) -> int:
         return self.version
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
         from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch

@@ -60,3 +60,6 @@ class ReferenceActor:
 
     def ready(self) -> bool:
         return True
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()

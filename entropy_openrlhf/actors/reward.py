@@ -48,6 +48,9 @@ class VerifierWorker:
     def ready(self) -> str | None:
         return self.load_error
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def score(self, items: list[tuple]) -> list[dict[str, Any]]:
         return self.verifier.score(items, self.timeout_s)
 

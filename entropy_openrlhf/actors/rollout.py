@@ -193,6 +193,9 @@ class RolloutEngine:
     def ready(self) -> bool:
         return True
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def generate(
         self,
         prompts: list[PromptItem],

@@ -143,6 +143,21 @@ class Trainer:
         if self.sync_method == "collective":
             self.rollout.init_collective(self.policy, timeout_s=cfg.sync.timeout_s)
         self.startup_seconds = time.time() - t0
+        self.placement = self.actor_nodes()
+        where = "; ".join(f"{group} on {', '.join(ips)}" for group, ips in self.placement.items())
+        print(f"[entropy-openrlhf] actors started in {self.startup_seconds:.0f} s: {where}", flush=True)
+
+    def actor_nodes(self) -> dict[str, list[str]]:
+        """The node address of every actor, by group, in rank / engine / worker order."""
+        groups = {"rollout": self.rollout.actors, "policy": self.policy.actors, "reward": self.reward.workers}
+        if self.reference is not None:
+            groups["reference"] = [self.reference]
+        refs = {name: [a.node_ip.remote() for a in actors] for name, actors in groups.items()}
+        ips = wait_started([r for rs in refs.values() for r in rs], "the actors' node addresses", 60.0)
+        out, i = {}, 0
+        for name, rs in refs.items():
+            out[name], i = ips[i : i + len(rs)], i + len(rs)
+        return out
 
     def shutdown_groups(self) -> None:
         import ray
