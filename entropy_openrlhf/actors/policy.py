@@ -55,6 +55,9 @@ def _rendezvous_address(local: bool) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -233,6 +236,8 @@ class PolicyActor:
             add("entropy/token_mean", es["token_mean"])
             add("entropy/seq_mean", es["seq_mean"])
             add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
+            # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
+            add("rollout/logprob_diff_max", float(((r - lp).abs() * b.mask).max()))
         has_ref = all(s.ref_log_probs is not None for s in samples)
         ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
         if ref_lp is not None:
@@ -311,7 +316,7 @@ class PolicyActor:
                 if grad_norm is not None:
                     add("train/grad_norm", float(grad_norm))
         self.version += 1
-        result = {k: _mean(v) for k, v in metrics.items()}
+        result = {k: max(v) if k in MAX_METRICS else _mean(v) for k, v in metrics.items()}
         # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
         result["loss/policy"] = _mean(metrics.get("loss/policy", [])) * micro_per_mini / self.world_size
         result["train/skipped_steps"] = float(skipped)
@@ -548,13 +553,17 @@ class PolicyGroup:
             for r in range(n)
         ]
         results = ray.get([a.train_step.remote(s, step) for a, s in zip(self.actors, shards)])
-        merged = {k: _mean([r[k] for r in results if k in r]) for k in results[0]}
+        merged = {k: (max if k in MAX_METRICS else _mean)([r[k] for r in results if k in r]) for k in results[0]}
         merged["loss/policy"] = sum(r["loss/policy"] for r in results)
         merged["train/tokens"] = sum(r["train/tokens"] for r in results)
         return merged
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return ray.get([a.export_weights.remote() for a in self.actors])[0]
+        """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync."""
+        from entropy_openrlhf.actors.weight_chunks import ExportedWeights
+
+        state = ray.get([a.export_weights.remote() for a in self.actors])[0]
+        return ExportedWeights(state, self.cfg.sync.max_chunk_mb)
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
         """Collective weight sync set-up: rank 0's SyncEndpoint (host, port, backend, weight list)."""
