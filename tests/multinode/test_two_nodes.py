@@ -151,8 +151,7 @@ def test_output_dir_only_one_node_sees_fails_the_preflight_naming_the_other(clus
     errors = [line for line in log.splitlines() if line.startswith(("error: ", "node "))]
     worker = nodes.worker.ip
     assert any(
-        f"node {worker}: --train.output_dir {private} is not the folder the driver writes to" in line
-        for line in errors
+        f"node {worker}: --train.output_dir {private} is not the folder the driver writes to" in line for line in errors
     ), log[-4000:]
     assert not any(f"node {nodes.head.ip}:" in line for line in errors), errors  # node a sees the folder
     assert "actors started" not in log  # it failed before any actor
