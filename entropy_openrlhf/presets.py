@@ -100,6 +100,37 @@ PRESETS: dict[str, dict[str, Any]] = {
         "loss.kl_cov.ratio": 0.02,
         "loss.clip_cov.ratio": 0.02,
     },
+    # The GPU preflight (scripts/gpu_preflight.sh): each GPU path once, on 4 GPUs of one node, in minutes. A small
+    # real model comes with --pretrain (Qwen2.5-0.5B-Instruct: its 14 query and 2 KV heads split over TP 2).
+    "gpu-smoke": {
+        "model.dtype": "bf16",
+        # one engine with TP 2: vLLM's multiprocess executor, and two engine workers in the sync group
+        "rollout.num_engines": 1,
+        "rollout.tensor_parallel_size": 2,
+        "rollout.num_gpus_per_engine": 2.0,
+        "rollout.enforce_eager": "false",  # CUDA graphs, as in the real presets
+        "rollout.batch_size": 4,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 256,
+        "rollout.max_model_len": 1024,
+        # two ZeRO-3 ranks: zero.Init loading, the gathered export and broadcast, the ranks' NCCL rendezvous
+        "actor.num_workers": 2,
+        "actor.num_gpus_per_worker": 1.0,
+        "actor.zero_stage": 3,
+        "actor.gradient_checkpointing": True,
+        "actor.micro_batch_size": 2,
+        # ten times the recipe's: one step then moves the log-probs well past bf16's train/inference noise, so an
+        # engine that kept old weights shows in the sync check
+        "actor.lr": 1e-5,
+        "train.num_steps": 2,
+        "train.mini_batches": 2,
+        "train.save_every": 2,
+        "async.max_staleness": 0,  # the engines hold the trainer's weights at every step: what the check compares
+        "sync.method": "collective",  # NCCL between the trainer and the engines (auto would pick it on GPUs too)
+        "ref.enabled": False,  # as in the recipe presets
+        "reward.num_workers": 2,
+        "logger.sample_table_every": 1,
+    },
     # One 8-GPU node (80 GB GPUs): 2 vLLM engines x TP 2 (4 GPUs) + 4 DeepSpeed ranks (4 GPUs) = 8. The groups do
     # not share GPUs. ZeRO-3 over 4 ranks holds about 30 GB of model and optimizer state per GPU.
     "qwen2.5-7b-dapo": {

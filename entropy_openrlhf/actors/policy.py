@@ -16,8 +16,10 @@ import math
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
@@ -500,6 +502,7 @@ class PolicyGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg, self.model_path = cfg, model_path
+        self._submit = threading.Lock()  # see _on_all_ranks
         n = cfg.actor.num_workers
         bundle = {"CPU": cfg.actor.num_cpus_per_worker, **cfg.actor.custom_resources}
         if cfg.actor.num_gpus_per_worker:
@@ -544,6 +547,14 @@ class PolicyGroup:
                     raise
                 print(f"[entropy-openrlhf] policy rendezvous port {master_port} was taken; retrying on another")
 
+    def _on_all_ranks(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        """Call `method` on every rank. Calls of several driver threads (the trainer's step and sync, the rollout
+        group re-exporting weights for a restarted engine) must reach every rank in the same order: ranks meet in
+        collectives (ZeRO-3 gathers, DeepSpeed's all-reduce), so rank 0 running A then B while rank 1 runs B then
+        A would deadlock. Submitting each call to all ranks under one lock keeps the order the same everywhere."""
+        with self._submit:
+            return [getattr(a, method).remote(*args) for a in self.actors]
+
     def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
         # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
         n, n_mini = len(self.actors), self.cfg.train.mini_batches
@@ -553,7 +564,9 @@ class PolicyGroup:
             [s for m in range(n_mini) for s in samples[m * per_mini + r * per_rank : m * per_mini + (r + 1) * per_rank]]
             for r in range(n)
         ]
-        results = ray.get([a.train_step.remote(s, step) for a, s in zip(self.actors, shards)])
+        with self._submit:
+            refs = [a.train_step.remote(s, step) for a, s in zip(self.actors, shards)]
+        results = ray.get(refs)
         merged = {k: (max if k in MAX_METRICS else _mean)([r[k] for r in results if k in r]) for k in results[0]}
         merged["loss/policy"] = sum(r["loss/policy"] for r in results)
         merged["train/tokens"] = sum(r["train/tokens"] for r in results)
@@ -563,12 +576,12 @@ class PolicyGroup:
         """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync."""
         from entropy_openrlhf.actors.weight_chunks import ExportedWeights
 
-        state = ray.get([a.export_weights.remote() for a in self.actors])[0]
+        state = ray.get(self._on_all_ranks("export_weights"))[0]
         return ExportedWeights(state, self.cfg.sync.max_chunk_mb)
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
         """Collective weight sync set-up: rank 0's SyncEndpoint (host, port, backend, weight list)."""
-        return ray.get([a.open_weight_sync.remote(world_size, backend, timeout_s) for a in self.actors])[0]
+        return ray.get(self._on_all_ranks("open_weight_sync", world_size, backend, timeout_s))[0]
 
     def join_weight_sync_async(self) -> ray.ObjectRef:
         """Rank 0 joins the group; it returns once every engine worker has joined too."""
@@ -576,18 +589,18 @@ class PolicyGroup:
 
     def broadcast_weights_async(self) -> list[ray.ObjectRef]:
         """Every rank takes part (ZeRO-3 gathers); rank 0 broadcasts. The caller waits, with its timeout."""
-        return [a.broadcast_weights.remote() for a in self.actors]
+        return self._on_all_ranks("broadcast_weights")
 
     def save_hf(self, path: str) -> None:
         """A complete HF folder: weights and config from the policy, plus the tokenizer (with its chat template) and
         generation config of the initial model, so vLLM and transformers load it with nothing else at hand."""
-        ray.get([a.save_hf.remote(path, self.model_path) for a in self.actors])
+        ray.get(self._on_all_ranks("save_hf", path, self.model_path))
 
     def save_checkpoint(self, path: str, tag: str) -> None:
-        ray.get([a.save_checkpoint.remote(path, tag) for a in self.actors])
+        ray.get(self._on_all_ranks("save_checkpoint", path, tag))
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        ray.get([a.load_checkpoint.remote(path, tag) for a in self.actors])
+        ray.get(self._on_all_ranks("load_checkpoint", path, tag))
 
     def forward_log_probs(self, prompt_ids, response_ids):
         return ray.get(self.actors[0].forward_log_probs.remote(prompt_ids, response_ids))

@@ -146,6 +146,12 @@ class Trainer:
         self.placement = self.actor_nodes()
         where = "; ".join(f"{group} on {', '.join(ips)}" for group, ips in self.placement.items())
         print(f"[entropy-openrlhf] actors started in {self.startup_seconds:.0f} s: {where}", flush=True)
+        if self.sync_method == "collective":
+            ranks = 1 + cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size
+            print(f"[entropy-openrlhf] weight sync: collective over {self.rollout.collective.backend}, {ranks} ranks",
+                  flush=True)  # fmt: skip
+        else:
+            print("[entropy-openrlhf] weight sync: object store", flush=True)
 
     def actor_nodes(self) -> dict[str, list[str]]:
         """The node address of every actor, by group, in rank / engine / worker order."""
