@@ -141,7 +141,11 @@ class PolicyActor:
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), weight_decay=cfg.actor.weight_decay
+            model.parameters(),
+            lr=cfg.actor.lr,
+            betas=tuple(cfg.actor.adam_betas),
+            eps=cfg.actor.adam_eps,
+            weight_decay=cfg.actor.weight_decay,
         )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.version = 0
