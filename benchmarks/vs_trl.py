@@ -8,7 +8,7 @@ sequences and `--mini-batches` optimizer steps per rollout batch, lr 1e-5, no re
 
 - TRL runs in its own venv (benchmarks/.venv-trl, made by benchmarks/setup_trl_env.sh: its transformers and
   accelerate pins clash with ours) as a subprocess, generating with transformers' `generate` (`use_vllm=False`;
-  TRL's vLLM mode needs CUDA or patches, shared/CPU_NOTES.md). Its reward is a plain last-\\boxed{} number match.
+  TRL's vLLM mode needs CUDA or patches, docs/cpu.md). Its reward is a plain last-\\boxed{} number match.
 - Ours runs in this process as the pipelines do (real local Ray: vLLM engine, math-verify workers, DeepSpeed),
   synchronous (`--async.max_staleness 0`) and asynchronous (1).
 - Order: TRL, ours sync, ours async, TRL again (the machine's speed drifts; the two TRL runs show by how much).

@@ -1,5 +1,5 @@
-"""Start or join Ray with every process on loopback (shared/CPU_NOTES.md: by default Ray, vLLM and gloo bind the
-machine's external address)."""
+"""Start or join Ray with every process on loopback (docs/cpu.md, 'Run-time environment': by default Ray, vLLM
+and gloo bind the machine's external address)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from entropy_openrlhf.config import Config, set_by_path
 
-# Loss settings of each pipeline (ENTROPY_SPEC.md section 4.1, "Clip ratios by run"). The PPO clip does nothing to
-# KL-Cov's loss (unclipped by design, section 2.1), so kl_cov leaves it alone.
+# Loss settings of each pipeline (docs/losses.md, "The paper's recipe in the presets"). The PPO clip does nothing
+# to KL-Cov's loss (unclipped by design, docs/losses.md "KL-Cov"), so kl_cov leaves it alone.
 PIPELINES: dict[str, dict[str, Any]] = {
     "grpo": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.2},
     "clip_higher": {"loss.type": "clip_higher", "loss.clip_low": 0.2, "loss.clip_high": 0.28},
@@ -20,7 +20,7 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "kl_cov": {"loss.type": "kl_cov"},
 }
 
-# The paper's recipe (ENTROPY_SPEC.md section 4; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
+# The paper's recipe (docs/losses.md; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
 # optimizer mini-batches of 32 prompts, lr 1e-6 constant, AdamW with no weight decay, grad clip 1, prompts up to 2048
 # and responses up to 8192 tokens at T=1 / top_p 1, no KL (no reference model) and no entropy bonus, DAPO dynamic
 # sampling with up to 10 generation rounds, token-mean loss, evaluation every 4 steps and a checkpoint every 32.

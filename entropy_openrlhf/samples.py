@@ -1,4 +1,5 @@
-"""The records that flow between the actor groups (DESIGN.md, "Data flow of one RL step").
+"""The records that flow between the actor groups in one RL step: prompts -> rollout (vLLM) -> reward -> reference
+-> policy (the driver that moves them is entropy_openrlhf/pipeline/trainer.py).
 
 Plain dataclasses of Python types, so Ray pickles them cheaply and any group can be tested alone.
 """

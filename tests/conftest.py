@@ -1,6 +1,6 @@
 import os
 
-# Loopback only, whatever the caller's environment (shared/CPU_NOTES.md).
+# Loopback only, whatever the caller's environment (docs/cpu.md, 'Run-time environment').
 for key, value in {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",

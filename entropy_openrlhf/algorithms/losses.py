@@ -1,6 +1,6 @@
 """Policy losses: PPO (with clip-higher and dual-clip), Clip-Cov and KL-Cov.
 
-Plain functions over (B, L) tensors, exact to shared/ENTROPY_SPEC.md (sections 1, 2 and 6). Each returns a
+Plain functions over (B, L) tensors, as docs/losses.md states them (arXiv 2505.22617). Each returns a
 `LossOutput` with the scalar loss, the per-token loss matrix, the mask of covariance-selected tokens and a metrics
 dict of floats.
 
@@ -245,7 +245,7 @@ def clip_cov_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO with the gradient of a few random high-covariance tokens stopped (ENTROPY_SPEC.md section 1).
+    """PPO with the gradient of a few random high-covariance tokens stopped (docs/losses.md, 'Clip-Cov').
 
     `selected`: a precomputed selection (global scope); otherwise it is drawn here over this micro-batch.
     """
@@ -287,7 +287,7 @@ def kl_cov_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Unclipped policy gradient plus coef*|logp - old_logp| on the top-covariance tokens (ENTROPY_SPEC.md section 2).
+    """Unclipped policy gradient plus coef*|logp - old_logp| on the top-covariance tokens (docs/losses.md, 'KL-Cov').
 
     On a purely on-policy update (logp == old_logp) the penalty and its gradient are zero: KL-Cov acts from the
     second optimizer step of a rollout batch on.

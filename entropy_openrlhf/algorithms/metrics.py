@@ -39,7 +39,8 @@ def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]
 
 def covariance_stats(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Token covariances c = (A - mean A)(logp - mean logp) over the valid tokens, and the batch estimate of
-    Cov(log pi, A) (their mean), whose sign drives entropy: positive means entropy falls (ENTROPY_SPEC.md 3.1)."""
+    Cov(log pi, A) (their mean), whose sign drives entropy: positive means entropy falls (docs/losses.md, 'Why the
+    covariance')."""
     valid = mask.bool()
     lp = log_probs.detach().float()[valid]
     adv = advantages.detach().float()[valid]

@@ -1,4 +1,4 @@
-"""Loss tests against an independent scalar implementation (plain Python floats, written from ENTROPY_SPEC.md)."""
+"""Loss tests against an independent scalar implementation (plain Python floats, written from docs/losses.md)."""
 
 import math
 

@@ -1,5 +1,6 @@
-"""Presets: every one validates; the DAPO ones carry the paper's recipe (ENTROPY_SPEC.md section 4) and fit their
-GPUs; GPU specs that cannot work are rejected before any actor starts; the smoke preset stays CI-sized."""
+"""Presets: every one validates; the DAPO ones carry the paper's recipe (docs/losses.md, "The paper's recipe in the
+presets") and fit their GPUs; GPU specs that cannot work are rejected before any actor starts; the smoke preset stays
+CI-sized."""
 
 import re
 import warnings
@@ -27,7 +28,8 @@ def test_every_preset_validates_on_every_pipeline_without_warnings(name, pipelin
         assert validate(preset(name, pipeline)) == []
 
 
-# ENTROPY_SPEC.md section 4.1 (and 1.5 / 2.3 for the loss constants), numbers written out here on purpose.
+# docs/losses.md, "The paper's recipe in the presets" (and "Clip-Cov" / "KL-Cov" for the loss constants), numbers
+# written out here on purpose.
 PAPER_RECIPE = {
     "rollout.n_samples_per_prompt": 8,  # GRPO n = 8
     "rollout.batch_size": 256,  # train_batch_size = 256 prompts
