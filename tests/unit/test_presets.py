@@ -149,7 +149,7 @@ def test_docs_commands_use_flags_that_exist():
     flags = {f for block in used for f in re.findall(r"--([a-z_]+(?:\.[a-z_]+)+|preset|pretrain)\b", block)}
     assert flags, "no pipeline commands found in docs/cluster.md"
     assert flags <= known, sorted(flags - known)
-    for name in re.findall(r"--preset (\S+)", text):
+    for name in re.findall(r"--preset ([\w.-]+)", text):
         assert name in PRESETS
 
 

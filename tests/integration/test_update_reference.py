@@ -1,0 +1,217 @@
+"""The policy actor's update, pinned to a reference computed here from the plain loss functions.
+
+One RL step of the real DeepSpeed policy group (ZeRO-2, fp32, gloo) on a fixed batch of a tiny model: 16 responses
+in 2 optimizer mini-batches, micro-batches of 2 (so gradients accumulate over several micro-batches per optimizer
+step), truncated importance weights on. The same step is computed in this process with transformers, the public
+loss functions of `entropy_openrlhf.algorithms.losses`, torch's gradient clipping and AdamW, sharded across ranks
+the way `PolicyGroup.train_step` documents it. The weights after the step must agree.
+
+AdamW's first steps move each weight by about lr * sign(gradient), which would hide a wrong gradient size; with
+`--actor.adam_eps 1` (larger than any gradient here) the update is nearly proportional to the gradient, so the
+comparison checks the gradients themselves. The tolerance is a small fraction of the update, and a reference
+without the covariance selection misses it by far (checked too), so the test can fail.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
+from entropy_openrlhf.algorithms.losses import clip_cov_loss, kl_cov_loss
+from entropy_openrlhf.algorithms.selection import MicroBatch, global_selection
+from entropy_openrlhf.config import Config, from_args
+
+pytestmark = pytest.mark.integration
+
+SEED, STEP, N, MINI, MICRO = 3, 0, 16, 2, 2
+RATIO = 0.1  # of each selection's valid tokens
+IS_CAP = 1.5
+
+
+def model_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log p(response token | everything before it), one sequence at a time: no padding, no shared code."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def grid(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, L) values and their mask, rows in order (the row-major order of the actor's grid)."""
+    width = max(len(r) for r in rows)
+    values = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = r
+        mask[i, : len(r)] = 1.0
+    return values, mask
+
+
+def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
+    """16 responses with advantages, and rollout log-probs off the model's by up to +-1 nat, so that some
+    importance weights exp(old - rollout) pass the cap. Returns the samples and the model's own log-probs."""
+    rng = random.Random(SEED)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    samples, old = [], []
+    with torch.no_grad():
+        for i in range(N):
+            prompt = [1, 5 + i % 4, 6, 7 + i % 3]
+            response = [rng.randrange(3, 300) for _ in range(rng.randint(4, 12))]
+            lp = model_log_probs(model, prompt, response)
+            rollout = [float(x) + rng.uniform(-1.0, 1.0) for x in lp]
+            samples.append(TrainSample(prompt, response, rng.gauss(0.0, 1.0), rollout))
+            old.append(lp)
+    return samples, old
+
+
+def config(loss: str, scope: str, workers: int) -> Config:
+    cfg = from_args(
+        [
+            "--preset", "smoke",
+            "--train.seed", str(SEED),
+            "--train.mini_batches", str(MINI),
+            "--actor.num_workers", str(workers),
+            "--actor.micro_batch_size", str(MICRO),
+            "--actor.lr", "0.05",
+            "--actor.adam_eps", "1.0",
+            "--actor.grad_clip", "1.0",
+            "--loss.scope", scope,
+            "--async.is_correction", "on",
+            "--async.is_cap", str(IS_CAP),
+        ],
+        {"loss.type": loss, **({"loss.clip_low": 1.0, "loss.clip_high": 1.0} if loss == "clip_cov" else {})},
+    )  # fmt: skip
+    cfg.loss.kl_cov.ratio = cfg.loss.clip_cov.ratio = RATIO
+    cfg.loss.clip_cov.lb, cfg.loss.clip_cov.ub = -1e9, 1e9  # a tiny random model's covariances are tiny
+    return cfg
+
+
+def actor_generator(cfg: Config, mini: int, micro: int, rank: int) -> torch.Generator:
+    """The seeds the policy actor draws Clip-Cov's choice with (per micro-batch and rank; rank 0 in global
+    scope, where every rank must draw the same)."""
+    rank = 0 if cfg.loss.scope == "global" else rank
+    seed = (cfg.train.seed * 1_000_003 + STEP * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
+    """One RL step outside the actor. Returns (state dict after it, selected fraction per micro-batch,
+    importance weights per sample)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), eps=cfg.actor.adam_eps,
+        weight_decay=cfg.actor.weight_decay,
+    )  # fmt: skip
+    lc = cfg.loss
+    weights = [
+        torch.exp(o - torch.tensor(s.rollout_log_probs)).clamp(max=cfg.async_.is_cap) for s, o in zip(samples, old_rows)
+    ]
+    per_mini, fracs = N // MINI, []
+    per_rank = per_mini // workers
+    for mini in range(MINI):
+        # PolicyGroup.train_step: rank r takes samples [r * per_rank, (r + 1) * per_rank) of each mini-batch, and
+        # cuts them into micro-batches of MICRO
+        ranks = [
+            [list(range(mini * per_mini + r * per_rank + j, mini * per_mini + r * per_rank + min(j + MICRO, per_rank)))
+             for j in range(0, per_rank, MICRO)]
+            for r in range(workers)
+        ]  # fmt: skip
+        normalizer = sum(len(samples[i].response_ids) for i in range(mini * per_mini, (mini + 1) * per_mini))
+        tensors = {}  # (rank, micro) -> (old, adv, mask, is weights)
+        for r, micros in enumerate(ranks):
+            for j, idx in enumerate(micros):
+                old, mask = grid([old_rows[i] for i in idx])
+                adv = mask * torch.tensor([[samples[i].advantage] for i in idx])
+                tensors[r, j] = (old, adv, mask, grid([weights[i] for i in idx])[0])
+        selections, cov_means = {}, None
+        if select and lc.scope == "global":
+            with torch.no_grad():
+                current = {
+                    key: grid([model_log_probs(model, samples[i].prompt_ids, samples[i].response_ids) for i in idx])[0]
+                    for key, idx in ((key, ranks[key[0]][key[1]]) for key in tensors)
+                }
+            keys = sorted(tensors)  # rank order, then micro-batch order: the order of the gathered tokens
+            masks, cov_means = global_selection(
+                [MicroBatch(current[k], tensors[k][0], tensors[k][1], tensors[k][2]) for k in keys],
+                lc.type, ratio=RATIO, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub, clip_low=lc.clip_low,
+                clip_high=lc.clip_high, generator=actor_generator(cfg, mini, 0, 0),
+            )  # fmt: skip
+            selections = dict(zip(keys, masks))
+        opt.zero_grad()
+        for (r, j), (old, adv, mask, w) in tensors.items():
+            idx = ranks[r][j]
+            lp = grid([model_log_probs(model, samples[i].prompt_ids, samples[i].response_ids) for i in idx])[0]
+            common = dict(agg="token_mean", normalizer=normalizer, dp_size=1, is_weights=w)
+            if not select:  # the same objective with nothing selected: what a broken selection would give
+                common["selected"] = torch.zeros_like(mask, dtype=torch.bool)
+            elif lc.scope == "global":
+                common.update(selected=selections[r, j], cov_means=cov_means)
+            if lc.type == "kl_cov":
+                out = kl_cov_loss(lp, old, adv, mask, ratio=RATIO, coef=lc.kl_cov.coef, **common)
+            else:
+                out = clip_cov_loss(
+                    lp, old, adv, mask, ratio=RATIO, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub,
+                    clip_low=lc.clip_low, clip_high=lc.clip_high, generator=actor_generator(cfg, mini, j, r), **common,
+                )  # fmt: skip
+            out.loss.backward()
+            fracs.append(float(out.selected.sum()) / float(mask.sum()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, fracs, weights
+
+
+@pytest.mark.parametrize(
+    "loss, scope, workers",
+    [("kl_cov", "micro_batch", 1), ("clip_cov", "micro_batch", 1), ("kl_cov", "global", 2), ("clip_cov", "global", 2)],
+)
+def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers):
+    cfg = config(loss, scope, workers)
+    samples, old_rows = make_batch(tiny_model)
+    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    group = PolicyGroup(cfg, tiny_model)
+    try:
+        metrics = group.train_step(samples, STEP)
+        actor = group.export_weights()
+    finally:
+        group.shutdown()
+    expected, fracs, weights = reference_step(tiny_model, cfg, samples, old_rows, workers)
+
+    def deviation(state: dict) -> float:
+        return max(float((actor[k].float() - state[k]).abs().max()) for k in actor)
+
+    update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
+    tolerance = 1e-3 * update
+    assert update > 1e-3  # the step moved the weights
+    print(f"\n{loss}/{scope}/{workers}: update {update:.3g}, deviation {deviation(expected):.3g}")
+    assert deviation(expected) < tolerance, (deviation(expected), update)
+    unselected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers, select=False)
+    print(f"without selection: deviation {deviation(unselected):.3g}")
+    assert deviation(unselected) > 20 * tolerance  # the selection matters at this tolerance
+
+    # the selected share: max(1, floor(0.1 * valid tokens)) per selection, averaged as the actor reports it
+    key = "loss/kl_cov_frac" if loss == "kl_cov" else "loss/clip_cov_frac"
+    if scope == "micro_batch":
+        counts = [sum(len(s.response_ids) for s in samples[i : i + MICRO]) for i in range(0, N, MICRO)]
+        hand = [max(1, math.floor(RATIO * n)) / n for n in counts]
+        assert fracs == pytest.approx(hand, abs=1e-12)
+        assert metrics[key] == pytest.approx(sum(hand) / len(hand), abs=1e-9)
+    else:
+        for mini in range(MINI):
+            tokens = sum(len(s.response_ids) for s in samples[mini * N // MINI : (mini + 1) * N // MINI])
+            per_mini = fracs[mini * len(fracs) // MINI : (mini + 1) * len(fracs) // MINI]
+            sizes = [sum(len(s.response_ids) for s in samples[i : i + MICRO]) for i in range(
+                mini * N // MINI, (mini + 1) * N // MINI, MICRO)]  # fmt: skip
+            chosen = round(sum(f * n for f, n in zip(per_mini, sizes)))
+            assert chosen == max(1, math.floor(RATIO * tokens))
+
+    # truncated importance sampling: the weights exp(old - rollout) capped at is_cap, as the actor reports them
+    all_w = torch.cat(weights)
+    assert float(all_w.max()) == pytest.approx(IS_CAP) and 0 < float((all_w >= IS_CAP).float().mean()) < 0.5
+    n_mini_tokens = [sum(len(s.response_ids) for s in samples[i : i + MICRO]) for i in range(0, N, MICRO)]
+    per_micro_mean = [float(torch.cat(weights[i : i + MICRO]).mean()) for i in range(0, N, MICRO)]
+    assert len(per_micro_mean) == len(n_mini_tokens)
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(sum(per_micro_mean) / len(per_micro_mean), abs=1e-5)
