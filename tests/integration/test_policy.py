@@ -96,8 +96,13 @@ def test_global_selection_scope_trains_across_ranks(ray_cluster, tiny_model):
     assert metrics[1]["loss/kl_cov_frac"] == pytest.approx(0.1, abs=0.05)
 
 
-def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_model):
-    cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"], {"loss.type": "ppo"})
+@pytest.mark.parametrize("dtype, zero", [("fp32", 2), ("bf16", 3)])  # bf16 + ZeRO-3: the GPU presets' path
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_model, dtype, zero):
+    cfg = from_args(
+        ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3", "--model.dtype", dtype,
+         "--actor.zero_stage", str(zero)],
+        {"loss.type": "ppo"},
+    )  # fmt: skip
     group = PolicyGroup(cfg, tiny_model)
     try:
         before = group.export_weights()
@@ -107,6 +112,8 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_
         after_bad = group.export_weights()
         assert metrics["train/skipped_steps"] == 1.0  # mini-batch 0 skipped, mini-batch 1 applied
         assert all(torch.isfinite(w).all() for w in after_bad.values())
+        assert {w.dtype for w in after_bad.values()} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
+        assert any(not torch.equal(before[k], after_bad[k]) for k in before)  # mini-batch 1 did move them
         poisoned = [s for s in fixed_batch()]
         for s in poisoned:
             s.advantage = float("nan")
