@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
     from entropy_openrlhf.cluster import init_ray, joins_cluster
     from entropy_openrlhf.data.dataset import DatasetError
     from entropy_openrlhf.pipeline.tracking import Tracker
-    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
+    from entropy_openrlhf.pipeline.trainer import Trainer, resume_point, summarize
     from entropy_openrlhf.preflight import check_nodes, cluster_snapshot, fit_cluster
     from rewards import VerifierLoadError
 
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         if note:
             print(f"[entropy-openrlhf] {note}", flush=True)
         check_nodes(cfg, model_path)
+        if cfg.train.resume:
+            resume_point(cfg, len(train_items))  # a checkpoint this run cannot continue fails before any actor
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         if started:

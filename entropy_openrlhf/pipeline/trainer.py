@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from entropy_openrlhf.cluster import wait_started
-from entropy_openrlhf.config import Config
+from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
@@ -435,20 +435,11 @@ class Trainer:
         (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
         the resumed steps repeat what the lost ones did."""
         root = Path(self.cfg.train.output_dir) / "checkpoints"
-        ckpt = latest_checkpoint(root)
-        if ckpt is None:
+        found = resume_point(self.cfg, len(self.train_items))
+        if found is None:
             print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
             return 0
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        for key, flag, now in (
-            ("seed", "--train.seed", self.cfg.train.seed),
-            ("train_prompts", "--data.train / --data.max_samples (prompt count)", len(self.train_items)),
-        ):
-            if key in state and state[key] != now:
-                raise ValueError(
-                    f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
-                    "its prompt-stream position would not match"
-                )
+        ckpt, state = found
         self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
         self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
         self.stream._order = self.stream._make_order()
@@ -463,6 +454,26 @@ class Trainer:
 
 
 CHECKPOINT_NAME = re.compile(r"step(\d+)")
+
+
+def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint under output_dir and its trainer state, or None when there is none. Raises
+    ConfigError when it was written with another seed or prompt count: its prompt-stream position would point
+    elsewhere. The driver calls it before any actor starts, and `Trainer.resume` again when it loads."""
+    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
+    if ckpt is None:
+        return None
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for key, flag, now in (
+        ("seed", "--train.seed", cfg.train.seed),
+        ("train_prompts", "--data.train / --data.max_samples (prompt count)", train_prompts),
+    ):
+        if key in state and state[key] != now:
+            raise ConfigError(
+                f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
+                "its prompt-stream position would not match"
+            )
+    return ckpt, state
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -1,10 +1,13 @@
 """Checkpoints and resume, done for real.
 
-- A whole job (`python pipelines/kl_cov.py`, its own local Ray, every actor) is SIGKILLed as a process group right
-  after its step-2 checkpoint appears, then run again with `--train.resume true`. The resumed run starts at the
-  checkpoint's step and its steps repeat, number for number and sample for sample, those of an uninterrupted run
-  with the same seed; the first steps of the killed run match the uninterrupted run too (determinism of two
-  synchronous runs). A planted half-written `.tmp-step4` folder is not picked.
+- A whole job (`python pipelines/<kl_cov|clip_cov>.py`, its own local Ray, every actor) is SIGKILLed as a process
+  group in the middle of step 3, after its step-2 checkpoint and after step 2 was logged, then run again with
+  `--train.resume true`. The resumed run starts at the checkpoint's step, so step 2 is really done twice, and its
+  steps repeat, number for number and sample for sample, those of an uninterrupted run with the same seed (for
+  Clip-Cov that includes its random choice of tokens); the first steps of the killed run match the uninterrupted
+  run too (determinism of two synchronous runs). A planted half-written `.tmp-step4` folder is not picked.
+- A resume with another seed is refused before any actor starts; a fresh run in a folder that holds checkpoints
+  saves over them through `.old-step<N>`, leaving the new checkpoint only.
 - A policy group restored from a DeepSpeed checkpoint has the saved weights, optimizer moments and RNG state: its
   next step is bit-identical to the step the saving group took.
 """
@@ -30,20 +33,22 @@ VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":digit_share"
 FLAGS = [
     "--preset", "smoke", "--train.num_steps", "4", "--train.save_every", "2", "--async.max_staleness", "0",
     "--reward.verifier", VERIFIER, "--ref.enabled", "false",
+    # a tiny random model's covariances are far below Clip-Cov's bounds of 1 and 5: widen them so it selects
+    "--loss.clip_cov.lb=-100", "--loss.clip_cov.ub=100",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 900
 # numbers that depend on the machine's speed, not on what was computed
 TIMING = ("time/", "throughput/", "reward/seconds_per_sample")
 
 
-def start_job(out: Path, ray_tmp: Path, *extra: str) -> subprocess.Popen:
+def start_job(out: Path, ray_tmp: Path, *extra: str, pipeline: str = "kl_cov") -> subprocess.Popen:
     """The pipeline as a user runs it, in its own session (process group) with its own local Ray under ray_tmp."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_ID")}
     env["RAY_TMPDIR"] = str(ray_tmp)  # this run's Ray files, so its leftovers can be found and ended
     out.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, "pipelines/kl_cov.py", *FLAGS, "--train.output_dir", str(out), *extra],
+        [sys.executable, f"pipelines/{pipeline}.py", *FLAGS, "--train.output_dir", str(out), *extra],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
@@ -100,8 +105,8 @@ def end_job(proc: subprocess.Popen, ray_tmp: Path) -> None:
         time.sleep(0.5)
 
 
-def run_to_end(out: Path, ray_tmp: Path, *extra: str) -> str:
-    proc = start_job(out, ray_tmp, *extra)
+def run_to_end(out: Path, ray_tmp: Path, *extra: str, pipeline: str = "kl_cov") -> str:
+    proc = start_job(out, ray_tmp, *extra, pipeline=pipeline)
     try:
         assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, job_log(out)[-4000:]
     finally:
@@ -136,22 +141,27 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupted_run(tmp_path, ray_tmp):
+@pytest.mark.timeout(2400)  # three and a half pipeline runs
+@pytest.mark.parametrize("pipeline", ["kl_cov", "clip_cov"])
+def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupted_run(tmp_path, ray_tmp, pipeline):
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
 
     # 1. the run as it should go: 4 steps, checkpoints at steps 2 and 4
-    run_to_end(reference, ray_tmp)
+    run_to_end(reference, ray_tmp, pipeline=pipeline)
     want = logged(reference)
     assert sorted(want) == [0, 1, 2, 3]
+    if pipeline == "clip_cov":
+        assert all(want[s]["loss/clip_cov_frac"] > 0 for s in (2, 3))  # its random choice acts in the redone steps
 
-    # 2. the same run, killed (every process of it, at once) as soon as its step-2 checkpoint is complete
-    proc = start_job(killed, ray_tmp)
+    # 2. the same run, killed (every process of it, at once) in step 3: after the step-2 checkpoint and after step 2
+    # was logged, so the resumed run redoes work that was already logged
+    proc = start_job(killed, ray_tmp, pipeline=pipeline)
     marker = killed / "checkpoints" / "step2" / "trainer_state.json"
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not marker.exists():
-            assert proc.poll() is None, f"the run ended before its checkpoint:\n{job_log(killed)[-4000:]}"
-            assert time.monotonic() < deadline, "no step-2 checkpoint in time"
+        while not (marker.exists() and 2 in logged(killed)):
+            assert proc.poll() is None, f"the run ended before step 2 was logged:\n{job_log(killed)[-4000:]}"
+            assert time.monotonic() < deadline, "step 2 was not logged in time"
             time.sleep(0.2)
         kill_job(proc)
         survivors = wait_gone(proc, ray_tmp)
@@ -160,11 +170,11 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     assert proc.returncode == -signal.SIGKILL
     assert survivors == []  # nothing of the killed job (driver, Ray, actors) lived on
     before_kill = logged(killed)
-    assert {0, 1} <= set(before_kill) <= {0, 1, 2}  # it got past step 1, never to step 4's checkpoint
+    assert set(before_kill) == {0, 1, 2}  # killed in step 3, never to step 4's checkpoint
     assert not (killed / "checkpoints" / "step4").exists()
 
     # determinism: the same seed gave the same rollouts and the same losses
-    for step in (0, 1):
+    for step in (0, 1, 2):
         assert before_kill[step] == want[step], step
     assert sample_tables(killed)[0] == sample_tables(reference)[0]
 
@@ -174,13 +184,27 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     (half / "trainer_state.json").write_text(json.dumps({"step": 4, "stream_epoch": 0, "stream_offset": 16}))
     shutil.rmtree(half / "deepspeed")
 
+    # a resume that could not continue the run (another seed) is refused before any actor starts
+    proc = start_job(killed, ray_tmp, "--train.resume", "true", "--train.seed", "7", pipeline=pipeline)
+    try:
+        assert proc.wait(timeout=RUN_TIMEOUT_S) == 2
+    finally:
+        end_job(proc, ray_tmp)
+    log = job_log(killed)
+    assert "was written with --train.seed 42, this run has 7" in log, log[-3000:]
+    assert log.count("actors started") == 1  # the killed run's only
+
     # 3. resume: it continues at the checkpoint's step, with the checkpoint's weights, optimizer, data position and
-    # RNG, so its steps repeat the uninterrupted run's exactly
-    log = run_to_end(killed, ray_tmp, "--train.resume", "true")
+    # RNG, so its steps repeat the uninterrupted run's exactly, the logged step 2 included
+    log = run_to_end(killed, ray_tmp, "--train.resume", "true", pipeline=pipeline)
     assert f"resumed from {killed / 'checkpoints' / 'step2'} at step 2" in log
     resumed_run = max((killed / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
     resumed = [json.loads(x)["step"] for x in (resumed_run / "files" / "metrics.jsonl").read_text().splitlines()]
     assert resumed == [2, 3]  # first trained step = the checkpoint's; only the steps since it are redone
+    redone = {
+        json.loads(x)["step"]: json.loads(x) for x in (resumed_run / "files" / "metrics.jsonl").read_text().splitlines()
+    }
+    assert {k: v for k, v in redone[2].items() if not k.startswith(TIMING)} == before_kill[2]
     after = logged(killed)
     for step in (2, 3):
         assert after[step] == want[step], step
@@ -189,6 +213,15 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     assert (killed / "checkpoints" / "step4" / "trainer_state.json").exists()
     assert json.loads((killed / "checkpoints" / "step4" / "trainer_state.json").read_text())["step"] == 4
     assert (killed / "final" / "config.json").exists()
+
+    if pipeline == "kl_cov":
+        # 4. a fresh run (no --train.resume) in the same folder saves over the old checkpoints: each complete old
+        # one is moved to .old-step<N> and deleted once the new one is in place
+        old_state = (killed / "checkpoints" / "step2" / "trainer_state.json").stat().st_mtime_ns
+        run_to_end(killed, ray_tmp, "--train.num_steps", "2")
+        names = sorted(p.name for p in (killed / "checkpoints").iterdir())
+        assert names == ["step2", "step4"], names  # the old step 4 is kept (rotation keeps two), nothing .old
+        assert (killed / "checkpoints" / "step2" / "trainer_state.json").stat().st_mtime_ns > old_state
 
 
 def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_model, tmp_path):

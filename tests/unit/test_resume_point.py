@@ -1,0 +1,42 @@
+"""Which checkpoint a resume continues from, and the runs it refuses (another seed or prompt count)."""
+
+import json
+
+import pytest
+
+from entropy_openrlhf.config import ConfigError, from_args
+from entropy_openrlhf.pipeline.trainer import resume_point
+
+
+def cfg_in(tmp_path, *flags: str):
+    return from_args(["--preset", "smoke", "--train.output_dir", str(tmp_path), *flags], {})
+
+
+def save(tmp_path, step: int, seed: int = 42, prompts: int = 64) -> None:
+    folder = tmp_path / "checkpoints" / f"step{step}"
+    folder.mkdir(parents=True)
+    state = {"step": step, "stream_epoch": 0, "stream_offset": 4 * step, "seed": seed, "train_prompts": prompts}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    assert resume_point(cfg_in(tmp_path), 64) is None
+
+
+def test_the_newest_complete_checkpoint_and_its_state(tmp_path):
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    ckpt, state = resume_point(cfg_in(tmp_path), 64)
+    assert ckpt == tmp_path / "checkpoints" / "step4" and state["stream_offset"] == 16
+
+
+def test_another_seed_is_refused_naming_the_flag(tmp_path):
+    save(tmp_path, 2, seed=42)
+    with pytest.raises(ConfigError, match=r"step2 was written with --train.seed 42, this run has 5"):
+        resume_point(cfg_in(tmp_path, "--train.seed", "5"), 64)
+
+
+def test_another_prompt_count_is_refused_naming_the_flags(tmp_path):
+    save(tmp_path, 2, prompts=64)
+    with pytest.raises(ConfigError, match=r"--data.train / --data.max_samples \(prompt count\) 64, this run has 32"):
+        resume_point(cfg_in(tmp_path), 32)
