@@ -277,6 +277,7 @@ class RolloutEngine:
         from entropy_openrlhf.actors.weight_chunks import serialize_chunk
 
         t0 = time.time()
+        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"  # a sync cut short leaves stale chunks: a new id drops them
         names: set[str] = set()
         for item in chunks:
@@ -302,6 +303,7 @@ class RolloutEngine:
     def receive_weights(self, meta: list, version: int) -> float:
         """Receive the trainer's broadcast of the tensors in `meta` and load them; return the seconds it took."""
         t0 = time.time()
+        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
         self.llm.collective_rpc("receive_trainer_weights", args=(meta,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
@@ -325,6 +327,17 @@ def _split(items: list, parts: int) -> list[list]:
     """Contiguous, nearly equal chunks (some empty when there are fewer items than parts)."""
     size = math.ceil(len(items) / parts) if items else 0
     return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _died(ref: ray.ObjectRef) -> bool:
+    """Whether a finished call failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - any other outcome: the actor lives
+        pass
+    return False
 
 
 def _wait_for_sync(engine_refs: list, policy_refs: list, what: str, timeout_s: float) -> None:
@@ -385,6 +398,8 @@ class RolloutGroup:
             )
         self.tensor_parallel_size, self.num_gpus_per_engine = tensor_parallel_size, num_gpus_per_engine
         self.collective: SyncEndpoint | None = None  # set by init_collective
+        self._policy: PolicyGroup | None = None  # the collective sync's sender, which also re-exports for restarts
+        self.collective_rebuilds = 0  # broadcast groups rebuilt around a restarted engine, so far
         bundle = {"CPU": num_cpus_per_engine, **(custom_resources or {})}
         if num_gpus_per_engine:
             bundle["GPU"] = num_gpus_per_engine
@@ -495,19 +510,34 @@ class RolloutGroup:
                 ray.kill(self.actors[i], no_restart=False)
                 killed.add(ref)
 
-    def _recover(self, i: int, why: str, died: bool) -> None:
+    def _recover(self, i: int, why: str, died: bool, reload: bool = True) -> None:
         """Wait until Ray has restarted engine `i`, then load the group's current weights into it (a restarted
-        engine starts from the initial model, and would otherwise tag old-policy samples with the new version)."""
-        log.warning("rollout engine %d %s: reloading policy version %d into it once it answers", i, why,
-                    self.version)  # fmt: skip
+        engine starts from the initial model, and would otherwise tag old-policy samples with the new version) and,
+        with the collective sync, rebuild the broadcast group so that it includes the new process. `reload` False:
+        the caller is about to send every engine new weights anyway."""
+        then = f"reloading policy version {self.version} into it" if reload else "the sync that follows loads it"
+        log.warning("rollout engine %d %s: %s once it answers", i, why, then)
         t0 = time.monotonic()
-        deadline = t0 + ENGINE_RESTART_TIMEOUT_S
+        engine_version = self._wait_answering(i, why)
+        # a restart shows as a dead call, or as an engine back at version 0 (it restarted between two calls)
+        restarted = died or (engine_version == 0 and self.version != 0)
+        self.restarts += int(restarted)
+        if reload and engine_version != self.version:
+            self._reload_engine(i, why)
+        if self.collective is not None and (restarted or engine_version != self.version):
+            # the new process is in no broadcast group, and the others' group still counts its old rank
+            self._rebuild_collective(f"rollout engine {i} {why}")
+        log.warning("rollout engine %d is back with policy version %d after %.1f s", i, self.version,
+                    time.monotonic() - t0)  # fmt: skip
+
+    def _wait_answering(self, i: int, why: str) -> int:
+        """Engine `i`'s policy version, once it answers (Ray may still be restarting it)."""
+        deadline = time.monotonic() + ENGINE_RESTART_TIMEOUT_S
         dead_replies = 0
         while True:
             try:
                 remaining = max(1.0, deadline - time.monotonic())
-                engine_version = ray.get(self.actors[i].get_version.remote(), timeout=remaining)
-                break
+                return ray.get(self.actors[i].get_version.remote(), timeout=remaining)
             except ray.exceptions.GetTimeoutError:
                 raise RuntimeError(
                     f"rollout engine {i} {why}, and did not come back within {ENGINE_RESTART_TIMEOUT_S:.0f} s"
@@ -522,18 +552,35 @@ class RolloutGroup:
                         f"restarts): {type(e).__name__}"
                     ) from None
                 time.sleep(0.5)
-        # a restart shows as a dead call, or as an engine back at version 0 (it restarted between two calls)
-        self.restarts += int(died or (engine_version == 0 and self.version != 0))
-        if engine_version != self.version:
-            if self._synced is None or self._synced[1] != self.version:
-                raise RuntimeError(
-                    f"rollout engine {i} restarted with policy version {engine_version}; the group holds no copy of "
-                    f"version {self.version} to reload (the collective weight sync keeps none)"
-                )
-            chunks, version = self._synced
-            ray.get(self.actors[i].update_weights.remote(chunks, version), timeout=self._sync_timeout_s)
-        log.warning("rollout engine %d is back with policy version %d after %.1f s", i, self.version,
-                    time.monotonic() - t0)  # fmt: skip
+
+    def _reload_engine(self, i: int, why: str) -> None:
+        """Load the group's current weights into engine `i` through the chunked object store: the chunks of the
+        last object-store sync, or (collective sync, which keeps no copy) a fresh export of the policy."""
+        if self._synced is not None and self._synced[1] == self.version:
+            chunks = self._synced[0]
+        elif self._policy is not None:
+            # The collective sync keeps no copy: the policy exports once more. In an asynchronous run the trainer
+            # may have finished its next step meanwhile (its calls run before this export on the policy actors);
+            # the engine then holds newer weights than its samples' label says, so they are at most as stale as
+            # labeled, and the importance correction uses the engine's own log-probs. The next sync evens it out.
+            chunks = self._put_chunks(self._policy.export_weights(), None)
+        else:
+            raise RuntimeError(
+                f"rollout engine {i} restarted; the group holds no copy of policy version {self.version} to reload"
+            )
+        try:
+            ray.get(self.actors[i].update_weights.remote(chunks, self.version), timeout=self._sync_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"rollout engine {i} {why}, and reloading policy version {self.version} into it took over "
+                f"{self._sync_timeout_s:.1f} s"
+            ) from None
+
+    def _rebuild_collective(self, why: str) -> None:
+        """Close and re-open the broadcast group on every member (policy rank 0 and every engine worker)."""
+        log.warning("%s: rebuilding the weight sync group", why)
+        self.init_collective(self._policy, timeout_s=self._sync_timeout_s)
+        self.collective_rebuilds += 1
 
     def sequence_log_probs(
         self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
@@ -615,6 +662,7 @@ class RolloutGroup:
         from entropy_openrlhf.actors.weight_sync import choose_backend
 
         t0 = time.time()
+        self._policy, self._sync_timeout_s = policy_group, timeout_s
         tp = self.tensor_parallel_size
         world_size = 1 + len(self.actors) * tp
         backend = choose_backend(
@@ -632,22 +680,102 @@ class RolloutGroup:
 
     def update_weights_collective(self, policy_group: PolicyGroup, version: int, timeout_s: float = 120.0) -> float:
         """Collective path: the policy broadcasts its weights while every engine receives and loads them; return
-        the seconds the sync took. Raises WeightSyncTimeoutError after `timeout_s`, and then closes the group (a
-        rank may be stuck mid-broadcast): call init_collective again before the next collective sync."""
+        the seconds the sync took.
+
+        Engine faults: an engine that died or restarted since the last call is waited for and the group rebuilt
+        with it before the broadcast. An engine that dies during the broadcast fails it on every rank; the
+        engines then get `version` through the chunked object store from one export of the policy (which holds
+        exactly that version, since the caller syncs right after training) and the group is rebuilt.
+
+        Raises WeightSyncTimeoutError after `timeout_s`, and then closes the group (a rank may be stuck
+        mid-broadcast): call init_collective again before the next collective sync."""
         from entropy_openrlhf.actors.weight_sync import WeightSyncError
 
         if self.collective is None:
             raise WeightSyncError("no weight sync group (never set up, or closed by an error): call init_collective")
         t0 = time.time()
+        self._policy, self._sync_timeout_s = policy_group, timeout_s
+        self._synced = None  # a copy kept for restarts would now be stale: free it
+        self._recover_dead_engines(version, timeout_s)
         receives = [actor.receive_weights.remote(self.collective.meta, version) for actor in self.actors]
         sends = policy_group.broadcast_weights_async()
+        what = f"weight sync to policy version {version}"
         try:
-            _wait_for_sync(receives, sends, f"weight sync to policy version {version}", timeout_s)
-        except BaseException:
+            _wait_for_sync(receives, sends, what, timeout_s)
+        except WeightSyncTimeoutError:
             self.collective = None  # ranks may be out of step: the group cannot be trusted again
             raise
+        except Exception:
+            self.collective = None
+            # the first error may be a live rank's (its peer vanished) rather than the dead engine's own
+            if not self._resync_after_death_in_broadcast(receives, sends, version):
+                raise
         self.version = version  # what every engine now holds
         return time.time() - t0
+
+    def _recover_dead_engines(self, version: int, timeout_s: float) -> None:
+        """Before a broadcast: every engine must answer and still be the process that joined the group."""
+        refs = [actor.get_version.remote() for actor in self.actors]
+        deadline = time.time() + timeout_s
+        for i, ref in enumerate(refs):
+            try:
+                engine_version = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+            except ray.exceptions.GetTimeoutError:
+                raise WeightSyncTimeoutError(
+                    f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout "
+                    f"engine(s) [{i}] of {len(refs)} did not answer before the broadcast (hung, busy on a long call, "
+                    "or starved of CPU)"
+                ) from None
+            except ray.exceptions.RayActorError as e:
+                self._recover(i, f"died before the weight sync to policy version {version} ({type(e).__name__})",
+                              died=True, reload=False)  # fmt: skip
+                continue
+            if engine_version != self.version:  # restarted since the last call (back at the initial model)
+                self._recover(i, f"restarted before the weight sync to policy version {version}", died=False,
+                              reload=False)  # fmt: skip
+
+    def _resync_after_death_in_broadcast(self, receives: list, sends: list, version: int) -> bool:
+        """After a failed broadcast: if an engine died in it, load `version` into every engine from one export of
+        the policy (through the chunked object store) and rebuild the group; return whether that was the case.
+
+        Every call of the broadcast is first let end: ranks left waiting on the dead one fail within the group's
+        own timeout (the `timeout_s` of init_collective), so the wait here is bounded by that plus a margin."""
+        budget = time.time() + self._sync_timeout_s + 30.0
+        dead: list[int] = []
+        for i, ref in enumerate(receives + sends):
+            try:
+                ray.get(ref, timeout=max(1.0, budget - time.time()))
+            except ray.exceptions.RayActorError:
+                if i < len(receives):
+                    dead.append(i)
+            except ray.exceptions.GetTimeoutError:
+                side = f"rollout engine {i}" if i < len(receives) else f"policy rank {i - len(receives)}"
+                raise WeightSyncTimeoutError(
+                    f"weight sync to policy version {version} failed and {side} was still in the broadcast "
+                    f"{self._sync_timeout_s + 30:.0f} s later"
+                ) from None
+            except Exception:  # noqa: BLE001 - a live rank whose broadcast failed with the dead one: reloaded below
+                pass
+        if not dead:
+            return False
+        why = f"died during the weight sync to policy version {version}"
+        log.warning("rollout engine(s) %s %s: every engine gets it through the object store", dead, why)
+        self.version = version
+        self._synced = (self._put_chunks(self._policy.export_weights(), None), version)
+        live = {
+            i: a.update_weights.remote(self._synced[0], version) for i, a in enumerate(self.actors) if i not in dead
+        }
+        try:
+            _wait_for_sync(
+                list(live.values()), [], f"reloading policy version {version} after a death", self._sync_timeout_s
+            )
+        except ray.exceptions.RayActorError:
+            dead += [i for i, ref in live.items() if _died(ref)]
+        for i in dead:
+            self._recover(i, why, died=True)  # waits for the restart, reloads from self._synced
+        self._rebuild_collective(f"rollout engine(s) {dead} {why}")
+        self._synced = None  # the next collective sync makes this copy stale
+        return True
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -58,6 +58,10 @@ class WeightSyncExtension:
         if backend == "nccl" and not torch.cuda.is_available():
             raise WeightSyncError("weight sync over NCCL needs the engines on GPUs; use --sync.method object_store")
         rank = rank_offset + self.rank
+        old = getattr(self, "weight_sync_group", None)
+        self.weight_sync_group = None
+        if old is not None:  # a rebuilt group (an engine restarted): leave the old one first
+            old.close()
         self.weight_sync_group = WeightSyncGroup.connect(host, port, rank, world_size, backend, timeout_s)
         return rank
 
@@ -79,7 +83,19 @@ class WeightSyncExtension:
 
     def _reload_named_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """The one load path of both sync methods: vLLM's reload, then the tied lm_head repack."""
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        try:
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        except BaseException:
+            # A load cut short (a broadcast whose peer died) leaves layers half-loaded, their loaders wrapped and
+            # their buffers partly filled, which the next reload would mix with its own tensors. vLLM's finalize
+            # ends that state; the weights stay wrong until the next full reload (the engine's version says so).
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            try:
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            except Exception:  # noqa: BLE001 - the load's own error is the one to report
+                pass
+            raise
         # A tied lm_head gets no tensor of its own, so the reload skips its post-load step; on CPU that step packs
         # the (embedding) weight for the GEMM kernel, which would otherwise keep computing logits from the old one.
         model = self.model_runner.get_model()

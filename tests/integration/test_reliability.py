@@ -37,19 +37,56 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
 
 
-def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray_cluster, tiny_model):
+class Weights:
+    """How a test gives the engines new weights, by `--sync.method`: object_store loads a perturbed checkpoint;
+    collective trains a real DeepSpeed policy one step and broadcasts it (the group then holds no copy, so a
+    restarted engine gets a fresh export of the policy and the broadcast group is rebuilt around it)."""
+
+    def __init__(self, method: str, group, tiny_model: str):
+        from safetensors.torch import load_file
+
+        self.method, self.group, self.policy = method, group, None
+        self.original = load_file(f"{tiny_model}/model.safetensors")
+        if method == "collective":
+            from entropy_openrlhf.actors.policy import PolicyGroup
+            from entropy_openrlhf.config import from_args
+
+            cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"],
+                            {"loss.type": "ppo", "async_.is_correction": "off"})  # fmt: skip
+            self.policy = PolicyGroup(cfg, tiny_model)
+            group.init_collective(self.policy, timeout_s=120)
+
+    def sync(self, version: int) -> None:
+        if self.method == "object_store":
+            self.group.update_weights(perturbed(self.original, version), version=version, timeout_s=120)
+        else:
+            from tests.integration.test_policy import fixed_batch
+
+            self.policy.train_step(fixed_batch(seed=version), version)
+            self.group.update_weights_collective(self.policy, version, timeout_s=120)
+
+    def close(self) -> None:
+        if self.policy is not None:
+            self.policy.shutdown()
+
+
+# Both sync methods: the object store reloads a restarted engine from the chunks it keeps; the collective sync
+# re-exports from the policy and rebuilds its process group on every member (step 4 shows a broadcast reaching
+# the restarted engines through it).
+@pytest.mark.parametrize("method", ["object_store", "collective"])
+def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray_cluster, tiny_model, method):
     import ray
-    from safetensors.torch import load_file
 
     from entropy_openrlhf.actors.rollout import RolloutGroup
 
     prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} + {i + 3}?"), label="") for i in range(4)]
     sampling = dict(n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=11)
-    original = load_file(f"{tiny_model}/model.safetensors")
     group = RolloutGroup(tiny_model, num_engines=2, num_cpus_per_engine=1, seed=0, max_model_len=512)
+    weights = None
     try:
+        weights = Weights(method, group, tiny_model)
         from_disk = group.generate(prompts, policy_version=0, **sampling)
-        group.update_weights(perturbed(original, 1), version=1, timeout_s=60)
+        weights.sync(1)
         undisturbed = group.generate(prompts, policy_version=1, **sampling)
         assert tokens(undisturbed) != tokens(from_disk)  # a restarted engine that kept the disk weights would show
 
@@ -78,7 +115,7 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         # 2. engine 1 dies while idle; the next call is a weight sync, which still reaches every engine
         os.kill(engine_pid(group.actors[1]), signal.SIGKILL)
         time.sleep(1.0)
-        group.update_weights(perturbed(original, 2), version=2, timeout_s=120)
+        weights.sync(2)
         assert group.restarts == 2
         assert ray.get([a.get_version.remote() for a in group.actors]) == [2, 2]
         ids = ([[1, 5, 6, 7, 8]], [[20, 30, 40, 50, 60, 70]])
@@ -101,13 +138,28 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         assert group.restarts == 3
         assert tokens(got) == tokens(want)  # it refused to generate with stale weights and was reloaded first
         assert ray.get([a.get_version.remote() for a in group.actors]) == [2, 2]
+
+        # 4. the next sync reaches both restarted engines (collective: through the rebuilt group)
+        weights.sync(3)
+        assert ray.get([a.get_version.remote() for a in group.actors]) == [3, 3]
+        per_engine = ray.get([a.sequence_log_probs.remote(*ids) for a in group.actors])
+        assert per_engine[0] == per_engine[1]
+        if weights.policy is not None:  # and they hold the policy's weights
+            policy_lp = weights.policy.forward_log_probs(*ids)
+            assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
+            assert group.collective_rebuilds == 3  # one per restart
+        assert group.restarts == 3
     finally:
+        if weights is not None:
+            weights.close()
         group.shutdown()
 
 
-def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generated_again(ray_cluster, tiny_model):
-    from safetensors.torch import load_file
-
+# Both sync methods: the deadline kills engines on purpose, so a collective run must survive the restart too.
+@pytest.mark.parametrize("method", ["object_store", "collective"])
+def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generated_again(
+    ray_cluster, tiny_model, method
+):
     from entropy_openrlhf.actors.rollout import RolloutGroup
 
     prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
@@ -117,8 +169,10 @@ def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generate
         tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512, generate_timeout_s=deadline
     )
     pid = engine_pid(group.actors[0])
+    weights = None
     try:
-        group.update_weights(perturbed(load_file(f"{tiny_model}/model.safetensors"), 3), version=1, timeout_s=60)
+        weights = Weights(method, group, tiny_model)
+        weights.sync(1)
         want = group.generate(prompts, policy_version=1, **sampling)
         os.kill(pid, signal.SIGSTOP)  # alive but never answering: nothing tells Ray, only the deadline can
         t0 = time.monotonic()
@@ -127,11 +181,16 @@ def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generate
         assert group.restarts == 1 and engine_pid(group.actors[0]) != pid
         assert tokens(got) == tokens(want)  # regenerated with the version-1 weights reloaded into the new engine
         assert [s.policy_version for s in got] == [1] * len(got)
+        weights.sync(2)  # the next sync reaches the new engine (collective: through the rebuilt group)
+        assert group.generate(prompts, policy_version=2, **sampling)
+        assert group.collective_rebuilds == (1 if method == "collective" else 0)
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+        if weights is not None:
+            weights.close()
         group.shutdown()
 
 
@@ -170,10 +229,15 @@ def make_trainer(tmp_path: Path, *flags: str):
     return cfg, model_path, trainer
 
 
-def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path):
+# Both sync methods: with collective, the restart happens while the trainer thread trains and broadcasts, so the
+# policy's re-export and the group's rebuild run alongside the trainer's own calls to the policy.
+@pytest.mark.parametrize("method", ["object_store", "collective"])
+def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
     import ray
 
-    cfg, _, trainer = make_trainer(tmp_path, "--train.num_steps", "4", "--async.max_staleness", "1")
+    cfg, _, trainer = make_trainer(
+        tmp_path, "--train.num_steps", "4", "--async.max_staleness", "1", "--sync.method", method
+    )
     pid = engine_pid(trainer.rollout.actors[0])
 
     def kill() -> None:
@@ -207,11 +271,14 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path):
         trainer.shutdown_groups()
 
 
-def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_path):
+# Both sync methods: the object store's load runs in the producer thread, the broadcast in the trainer's.
+@pytest.mark.parametrize("method", ["object_store", "collective"])
+def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_path, method):
     timeout_s = 5.0
     _, _, trainer = make_trainer(
-        tmp_path, "--train.num_steps", "3", "--async.max_staleness", "0", "--sync.timeout_s", str(timeout_s)
-    )
+        tmp_path, "--train.num_steps", "3", "--async.max_staleness", "0", "--sync.timeout_s", str(timeout_s),
+        "--sync.method", method,
+    )  # fmt: skip
     pid = engine_pid(trainer.rollout.actors[0])
     train_step = trainer.policy.train_step
     frozen: dict[str, float] = {}
@@ -225,10 +292,11 @@ def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_p
 
     trainer.policy.train_step = freeze_then_train
     try:
-        with pytest.raises(RuntimeError) as error:
+        # the producer hands its error over as a RuntimeError; the trainer thread's broadcast raises its own
+        with pytest.raises((RuntimeError, TimeoutError)) as error:
             trainer.run(Recorder())
         waited = time.monotonic() - frozen["at"]
-        message = str(error.value)
+        message = f"{type(error.value).__name__}: {error.value}"
         assert "WeightSyncTimeoutError" in message
         assert (
             f"weight sync to policy version 1 timed out after {timeout_s:.1f} s: rollout engine(s) [0] of 1" in message

@@ -104,6 +104,11 @@ class TestCollectiveSync:
         print(f"\nsync seconds (2 engines): collective {collective_s:.3f}, object store {object_store_s:.3f}")
 
     def test_busy_engine_times_out_closes_the_group_and_a_new_group_works(self, policy, engines):
+        import os
+        import signal
+
+        from tests.integration.test_reliability import engine_pid
+
         engines.init_collective(policy, timeout_s=8)  # the group's own timeout frees the stuck ranks after 8 s
         prompt = PromptItem(
             index=0, prompt="<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", label=""
@@ -111,15 +116,36 @@ class TestCollectiveSync:
         busy = engines.actors[0].generate.remote(
             [prompt], n=128, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
         )
+        # an engine busy on a long call is named before any rank enters the broadcast, so the group stays usable
         t0 = time.time()
-        # one engine that does not join holds up the whole broadcast: the other engine and the policy wait on it
-        stuck = r"engine\(s\) \[0, 1\] of 2 did not finish.*policy rank\(s\) \[0\] did not finish"
-        with pytest.raises(WeightSyncTimeoutError, match=stuck):
+        with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2 did not answer before the broadcast"):
             engines.update_weights_collective(policy, version=3, timeout_s=2.0)
         assert time.time() - t0 < 6.0
-        with pytest.raises(WeightSyncError, match="closed"):  # ranks may be out of step: no second try on it
-            engines.update_weights_collective(policy, version=3, timeout_s=10)
         assert len(ray.get(busy)) == 128  # the generation itself was not disturbed
+        engines.update_weights_collective(policy, version=3, timeout_s=60)
+        assert [ray.get(a.get_version.remote()) for a in engines.actors] == [3, 3]
+
+        # an engine that stops once the broadcast has begun holds up the whole of it: the other engine and the
+        # policy wait on it, and the group is closed
+        pid = engine_pid(engines.actors[0])
+        check = engines._recover_dead_engines
+
+        def check_then_freeze(*args) -> None:
+            check(*args)
+            os.kill(pid, signal.SIGSTOP)
+
+        engines._recover_dead_engines = check_then_freeze
+        t0 = time.time()
+        stuck = r"engine\(s\) \[0, 1\] of 2 did not finish.*policy rank\(s\) \[0\] did not finish"
+        try:
+            with pytest.raises(WeightSyncTimeoutError, match=stuck):
+                engines.update_weights_collective(policy, version=4, timeout_s=2.0)
+        finally:
+            del engines._recover_dead_engines
+            os.kill(pid, signal.SIGCONT)
+        assert time.time() - t0 < 6.0
+        with pytest.raises(WeightSyncError, match="closed"):  # ranks may be out of step: no second try on it
+            engines.update_weights_collective(policy, version=4, timeout_s=10)
 
         # once the stuck calls have failed on the group's timeout, a new group syncs normally
         engines.init_collective(policy, timeout_s=60)
@@ -127,6 +153,49 @@ class TestCollectiveSync:
         after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
         assert max_diff(after, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [4, 4]
+
+    def test_engine_killed_mid_broadcast_gets_the_weights_and_rejoins_the_group(self, policy, engines):
+        """An engine dies while the policy broadcasts: every rank's broadcast fails, the engines get the version
+        through the object store from one export, and the group is rebuilt so the next broadcast reaches all."""
+        import os
+        import signal
+        import threading
+
+        from tests.integration.test_reliability import engine_pid
+
+        policy.train_step(fixed_batch(seed=3), 3)
+        engines.init_collective(policy, timeout_s=30)  # ranks left waiting on the dead one give up after 30 s
+        restarts, rebuilds = engines.restarts, engines.collective_rebuilds
+        pid = engine_pid(engines.actors[0])
+        check = engines._recover_dead_engines
+
+        def check_then_freeze(*args) -> None:
+            check(*args)  # every engine answered: the broadcast starts next, and engine 0 cannot finish it
+            os.kill(pid, signal.SIGSTOP)
+
+        engines._recover_dead_engines = check_then_freeze
+        result: dict = {}
+        sync = threading.Thread(
+            target=lambda: result.update(s=engines.update_weights_collective(policy, version=5, timeout_s=120))
+        )
+        sync.start()
+        time.sleep(3.0)
+        assert sync.is_alive()  # the broadcast is in flight
+        os.kill(pid, signal.SIGKILL)
+        sync.join(timeout=600)
+        del engines._recover_dead_engines
+        assert not sync.is_alive() and "s" in result
+        assert engines.restarts == restarts + 1 and engines.collective_rebuilds == rebuilds + 1
+        assert [ray.get(a.get_version.remote()) for a in engines.actors] == [5, 5]
+        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) < 1e-3
+
+        policy.train_step(fixed_batch(seed=4), 4)  # the rebuilt group carries the next broadcast to both
+        engines.update_weights_collective(policy, version=6, timeout_s=60)
+        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        per_engine = [ray.get(a.sequence_log_probs.remote(PROMPT_IDS[:1], RESPONSE_IDS[:1])) for a in engines.actors]
+        assert per_engine[0] == per_engine[1] and max_diff(per_engine[0], trained[:1]) < 1e-3
+        assert [ray.get(a.get_version.remote()) for a in engines.actors] == [6, 6]
 
     def test_chunked_object_store_sync_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
         """As on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): every chunk crosses vLLM's msgspec RPC as bytes. At
