@@ -8,7 +8,8 @@ Failure handling, from cheap to drastic:
   again the batch is re-scored one sample per task, so only the sample that kills the worker scores 0;
 - a worker stuck where no signal reaches it (C code holding the GIL): past a generous budget the group kills it
   (Ray restarts it) and re-scores the batch one sample per task, so only the stuck sample times out.
-Every sample is scored exactly once in the output: a retried batch replaces its failed attempt.
+Every sample gets exactly one result in the output (a retried batch replaces its failed attempt), but the verifier
+may run on a sample more than once: a retry starts its batch again from the first sample (docs/verifiers.md).
 """
 
 from __future__ import annotations
