@@ -87,7 +87,11 @@ def measure(gen_s: float, train_s: float, staleness: int, steps: int) -> float:
     """Seconds per step in the steady state: the median step time after the first three. The first cannot
     overlap, and the producer starts up to max_staleness batches ahead, which a mean over a short run would count
     as speed (it measured above the bound that way)."""
-    cfg = from_args(["--async.max_staleness", str(staleness), "--train.num_steps", str(steps + 3)])
+    # the stand-ins hand weights over through the object-store call (StandInRollout.update_weights, a no-op): pin
+    # that path, whatever --sync.method defaults to
+    cfg = from_args(
+        ["--async.max_staleness", str(staleness), "--train.num_steps", str(steps + 3), "--sync.method", "object_store"]
+    )
     items = [PromptItem(i, f"q{i}", "0") for i in range(64)]
     trainer = Trainer(cfg, "", items, [])
     trainer.rollout, trainer.reward, trainer.reference = StandInRollout(gen_s), StandInReward(), None
