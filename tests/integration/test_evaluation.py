@@ -5,6 +5,10 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).parents[2]
 VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":marked_right"
 

@@ -11,6 +11,8 @@ from entropy_openrlhf.pipeline.main import prepare
 from entropy_openrlhf.pipeline.tracking import Tracker
 from entropy_openrlhf.pipeline.trainer import Trainer
 
+pytestmark = pytest.mark.integration
+
 VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":digit_share"
 
 

@@ -9,6 +9,8 @@ import torch
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
 from entropy_openrlhf.config import from_args
 
+pytestmark = pytest.mark.integration
+
 
 def fixed_batch(n: int = 16, seed: int = 0) -> list[TrainSample]:
     rng = random.Random(seed)
