@@ -50,12 +50,18 @@ def test_tokenizer_has_the_chatml_template(converted):
 def test_second_call_is_fast_and_rewrites_nothing(converted, monkeypatch):
     path, seconds = converted
     before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+
+    def no_conversion(*args):
+        raise AssertionError("a converted folder was converted again")
+
+    monkeypatch.setattr(smollm2, "convert_gguf", no_conversion)
     start = time.perf_counter()
     assert ensure_smollm2(str(path)) == str(path)
     # the env var names the cache root, so this finds the same folder
     monkeypatch.setenv("ENTROPY_OPENRLHF_CACHE", str(path.parent))
     assert ensure_smollm2() == str(path)
-    assert time.perf_counter() - start < 0.5 < seconds
+    # a few file reads against a conversion of tens of seconds: relative, so a loaded machine slows both sides
+    assert time.perf_counter() - start < seconds / 10
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
 
 

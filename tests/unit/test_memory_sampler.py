@@ -18,13 +18,17 @@ def test_vm_hwm_of_a_gone_process_is_a_lookup_error():
     assert memory._vm_hwm(os.getpid()) > 0
 
 
-def run_sampler(seconds: float = 0.5) -> memory.Sampler:
-    child = subprocess.Popen(["sleep", "5"])  # a descendant to sample
+def run_sampler(samples: int = 6, give_up_s: float = 60.0) -> memory.Sampler:
+    """Run a sampler until it has taken `samples` samples (about 0.1 s on a quiet machine; a loaded one only makes it
+    slower, so the test waits for the count, not for a fixed time) and check it is still sampling then."""
+    child = subprocess.Popen(["sleep", str(give_up_s)])  # a descendant to sample
     sampler = memory.Sampler(interval=0.01)
     sampler.start()
     try:
-        time.sleep(seconds)
-        assert sampler.is_alive()
+        deadline = time.monotonic() + give_up_s
+        while sampler.samples < samples and sampler.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.is_alive() and sampler.samples >= samples, (sampler.samples, sampler.error)
     finally:
         sampler.stop.set()
         sampler.join()
@@ -44,7 +48,7 @@ def test_a_process_gone_between_two_reads_is_skipped(monkeypatch):
 
     monkeypatch.setattr(memory, "_vm_hwm", vanishing)
     sampler = run_sampler()
-    assert sampler.error is None and sampler.samples > 5
+    assert sampler.error is None and sampler.samples >= 6
 
 
 def test_an_unexpected_failure_is_recorded(monkeypatch):
@@ -55,7 +59,7 @@ def test_an_unexpected_failure_is_recorded(monkeypatch):
     child = subprocess.Popen(["sleep", "5"])
     sampler = memory.Sampler(interval=0.01)
     sampler.start()
-    sampler.join(timeout=10)
+    sampler.join(timeout=60)  # it stops at its first sample; the timeout only stops a broken test from hanging
     child.kill()
     child.wait()
     assert not sampler.is_alive() and isinstance(sampler.error, PermissionError)

@@ -218,24 +218,41 @@ def test_sys_exit_is_an_error_not_an_exit():
     assert r["error"] == "SystemExit: 3"
 
 
+# Off the main thread each check runs in a forked child, so the deadline has to cover forking this process too.
+# 3 s is ample for that at a load of 4 on 2 cores; the slow check sleeps far beyond it.
+CHECK_DEADLINE_S = 3.0
+SLOW_CHECK_S = 120.0
+
+
 def test_timeouts_on_main_thread_and_in_a_thread():
     import time
 
     def slow(response, label, **kw):
         if response == "slow":
-            time.sleep(30)
+            time.sleep(SLOW_CHECK_S)
         return 1.0
 
     items = [item("slow"), item("fast")]
     start = time.monotonic()
-    results = scored(slow, *items, timeout_s=0.3)
+    results = scored(slow, *items, timeout_s=CHECK_DEADLINE_S)
+    main_thread_s = time.monotonic() - start
     assert [(r["timed_out"], r["reward"]) for r in results] == [(True, 0.0), (False, 1.0)]
+    # cut at its deadline: not before it, and long before the slow check would have returned
+    assert CHECK_DEADLINE_S - 0.1 <= main_thread_s < SLOW_CHECK_S / 2, main_thread_s
+
     box = {}
-    thread = threading.Thread(target=lambda: box.update(results=scored(slow, *items, timeout_s=0.3)))
+
+    def in_thread():
+        start = time.monotonic()
+        box["results"] = scored(slow, *items, timeout_s=CHECK_DEADLINE_S)
+        box["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=in_thread)
     thread.start()
-    thread.join(20)
+    thread.join(SLOW_CHECK_S)
+    assert not thread.is_alive()
     assert [(r["timed_out"], r["reward"]) for r in box["results"]] == [(True, 0.0), (False, 1.0)]
-    assert time.monotonic() - start < 5
+    assert CHECK_DEADLINE_S - 0.1 <= box["seconds"] < SLOW_CHECK_S / 2, box["seconds"]
 
 
 def test_openrlhf_failures_cover_the_batch(tmp_path):
