@@ -398,6 +398,10 @@ class PolicyActor:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def device_report(self) -> tuple[str, bool]:
+        """Where this rank runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
+        return f"node {ray.util.get_node_ip_address()}", torch.cuda.is_available()
+
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
         from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch

