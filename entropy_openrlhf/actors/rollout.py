@@ -312,6 +312,11 @@ class RolloutEngine:
     def get_version(self) -> int:
         return self.version
 
+    def reload_log_counts(self) -> list[dict]:
+        """Per vLLM worker: the layers whose "Failed to load weights" is known harmless, how many such messages
+        were dropped, and how many about other layers were let through (vllm_worker.KnownUnloadedFilter)."""
+        return self.llm.collective_rpc("reload_log_counts")
+
     def device_report(self) -> tuple[str, bool]:
         """Where this engine runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
         return f"node {ray.util.get_node_ip_address()}", has_cuda()

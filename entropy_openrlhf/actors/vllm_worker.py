@@ -19,11 +19,58 @@ the worker (CPU memory, one copy of the weights, as the unchunked path held) and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 
 from entropy_openrlhf.actors.weight_chunks import Chunk, ChunkAssembler, deserialize_chunk
+
+# vLLM's layerwise reload (model_loader/reload/layerwise.py) logs "<layer class>: Failed to load weights" for every
+# layer that has loadable tensors but received none in a reload, and then puts the layer's previous tensors back.
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+FAILED_TO_LOAD = "%s: Failed to load weights"
+
+
+def checkpointless_layers(model: torch.nn.Module) -> set[str]:
+    """Class names of the layers a trainer's state dict never has weights for, so that vLLM's "Failed to load
+    weights" about them says nothing a user should act on:
+
+    - layers whose only tensors are non-persistent buffers (RotaryEmbedding's cos_sin_cache): computed from the
+      config at start-up, never in a checkpoint, never changed by training; vLLM puts the same tensor back;
+    - a tied lm_head: its weight is the embedding's, which the reload loads under the embedding's name
+      (`_reload_named_weights` then redoes its CPU repack).
+
+    A layer with a parameter of its own is never listed: a real failure to load it stays in the log."""
+    names = set()
+    for module in model.modules():
+        buffers = [n for n, b in module._buffers.items() if b is not None]
+        own_params = [p for p in module._parameters.values() if p is not None]
+        if buffers and not own_params and set(buffers) <= set(module._non_persistent_buffers_set):
+            names.add(type(module).__name__)
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if weight is not None and any(m is not lm_head and getattr(m, "weight", None) is weight for m in model.modules()):
+        names.add(type(lm_head).__name__)
+    return names
+
+
+class KnownUnloadedFilter(logging.Filter):
+    """Drops vLLM's "Failed to load weights" for `names` (see checkpointless_layers); counts what it drops and the
+    same message about any other layer, which it lets through."""
+
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names, self.dropped, self.passed = set(names), 0, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != FAILED_TO_LOAD or not record.args:
+            return True
+        if record.args[0] in self.names:
+            self.dropped += 1
+            return False
+        self.passed += 1
+        return True
 
 
 class WeightSyncExtension:
@@ -85,8 +132,18 @@ class WeightSyncExtension:
         group.finish("receiving the policy's weights")  # NCCL queues the receives: done, or aborted at the deadline
         return len(meta)
 
+    def reload_log_counts(self) -> dict:
+        """What the reload-log filter dropped (known-harmless messages) and let through (any other layer's)."""
+        log_filter = getattr(self, "reload_log_filter", None)
+        if log_filter is None:
+            return {"names": [], "dropped": 0, "passed": 0}
+        return {"names": sorted(log_filter.names), "dropped": log_filter.dropped, "passed": log_filter.passed}
+
     def _reload_named_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """The one load path of both sync methods: vLLM's reload, then the tied lm_head repack."""
+        if getattr(self, "reload_log_filter", None) is None:  # once per worker, before the first reload
+            self.reload_log_filter = KnownUnloadedFilter(checkpointless_layers(self.model_runner.get_model()))
+            logging.getLogger(LAYERWISE_LOGGER).addFilter(self.reload_log_filter)
         try:
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         except BaseException:
