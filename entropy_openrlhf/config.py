@@ -163,6 +163,11 @@ class TrainConfig:
     )
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir/checkpoints")
     max_nonfinite_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient")
+    shared_prefix: str = _f(
+        "auto",
+        "training-side forwards (old log-probs, policy, reference) compute each prompt once for the responses of a "
+        "micro-batch that share it: on | off | auto (pack a micro-batch when a cost estimate says it is cheaper)",
+    )
 
 
 @dataclass
@@ -469,6 +474,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
     need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
     need(cfg.train.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)")
+    need(cfg.train.shared_prefix in ("auto", "on", "off"), "train.shared_prefix", "auto | on | off")
     need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s", "must be > 0")
     need(cfg.ray.start_timeout_s > 0, "ray.start_timeout_s", "must be > 0")
     for group in ("rollout", "actor", "reward", "ref"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from entropy_openrlhf.actors.prefix_packing import ATTENTION_NAME, MODES, PackedBatch, choose_packing, register
 from entropy_openrlhf.algorithms.metrics import token_entropy
 from entropy_openrlhf.compat import ensure_flash_attn_importable
 
@@ -23,12 +24,44 @@ class SeqBatch:
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T-1) float, 1 on response tokens
+    packed: PackedBatch | None = None  # the layout the forward runs on, when the model shares prefixes
 
     def to(self, device) -> SeqBatch:
-        return SeqBatch(self.input_ids.to(device), self.attention_mask.to(device), self.mask.to(device))
+        packed = self.packed.to(device) if self.packed is not None else None
+        return SeqBatch(self.input_ids.to(device), self.attention_mask.to(device), self.mask.to(device), packed)
 
 
-def make_seq_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SeqBatch:
+def use_shared_prefix(model, mode: str) -> bool:
+    """`--train.shared_prefix`: with auto or on, switch the model's attention to the packed one (every batch then
+    needs a layout: make_seq_batch with the same mode gives it one). Returns whether it did."""
+    if mode not in MODES:
+        raise ValueError(f"shared_prefix {mode!r}: auto | on | off")
+    if mode == "off":
+        return False
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return True
+
+
+def make_seq_batch(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    pad_id: int,
+    *,
+    shared_prefix: str = "off",
+    model_config=None,
+) -> SeqBatch:
+    """The right-padded batch. With `shared_prefix` auto or on (the model's attention switched by
+    use_shared_prefix), also its packed layout, chosen with the model's sizes from `model_config`."""
+    batch = _plain_batch(prompt_ids, response_ids, pad_id)
+    if shared_prefix != "off":
+        hidden = getattr(model_config, "hidden_size", 1024)
+        ffn = getattr(model_config, "intermediate_size", 4 * hidden)
+        batch.packed = choose_packing(shared_prefix, prompt_ids, response_ids, pad_id, hidden, ffn)
+    return batch
+
+
+def _plain_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SeqBatch:
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
     T = max(lengths)
     B = len(lengths)
@@ -55,7 +88,10 @@ def forward_log_probs(
     model, batch: SeqBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T-1) log-probs of the actual next tokens (grad flows if enabled), and optionally their entropies.
-    Both are 0 on the positions before the batch's first response token."""
+    Both are 0 on the positions before the batch's first response token, and, for a packed batch, wherever `mask`
+    is 0. A batch with a packed layout runs on its packed rows, and the results land in this same grid."""
+    if batch.packed is not None:
+        return _packed_log_probs(model, batch, batch.packed, temperature=temperature, with_entropy=with_entropy)
     # The vocabulary projection and softmax run only from the first response position on: prompts are most of a
     # sequence, and their logits would cost about 30% of a forward and backward (measured on SmolLM2, CPU).
     start = int(batch.mask.any(dim=0).float().argmax())  # 0 when no response has a token: the full grid
@@ -66,11 +102,40 @@ def forward_log_probs(
     if temperature != 1.0:
         logits = logits / temperature
     # fp32 logits take OpenRLHF's chunked logsumexp path; half-precision ones its row loop
-    kept = log_probs_from_logits(logits.float(), batch.input_ids[:, start + 1 :])
+    kept = log_probs_from_logits(_at_least_fp32(logits), batch.input_ids[:, start + 1 :])
     log_probs = kept.new_zeros(batch.mask.shape)
     log_probs[:, start:] = kept
     entropy = None
     if with_entropy:
         entropy = log_probs.new_zeros(batch.mask.shape)
         entropy[:, start:] = token_entropy(logits)
+    return log_probs, entropy
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in fp32 for the log-softmax; fp32 and fp64 as they are (fp64 tests compare exactly)."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+
+
+def _packed_log_probs(
+    model, batch: SeqBatch, packed: PackedBatch, *, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    start = int(packed.source_pos.min())  # logits only from the first position that predicts a response token
+    width = packed.input_ids.shape[1]
+    logits = model(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=width - start,
+        prefix_layout=packed.rows,
+    ).logits  # fmt: skip
+    picked = logits[packed.source_row, packed.source_pos - start]  # (N, V): one row per response token, grid order
+    if temperature != 1.0:
+        picked = picked / temperature
+    valid = batch.mask.bool()
+    targets = batch.input_ids[:, 1:][valid]  # the same row-major order of the grid's valid cells
+    kept = log_probs_from_logits(_at_least_fp32(picked)[None], targets[None])[0]
+    log_probs = kept.new_zeros(batch.mask.shape)
+    log_probs[valid] = kept
+    entropy = None
+    if with_entropy:
+        entropy = log_probs.new_zeros(batch.mask.shape)  # the grid's dtype, as the plain path gives it
+        entropy[valid] = token_entropy(picked).to(entropy.dtype)
     return log_probs, entropy

@@ -135,6 +135,9 @@ class PolicyActor:
                 f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
                 f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
             )
+        from entropy_openrlhf.actors.forward import use_shared_prefix
+
+        use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it; each batch brings its layout
         if cfg.actor.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -153,12 +156,17 @@ class PolicyActor:
     # ------------------------------------------------------------------ helpers
 
     def _batch(self, samples: list[TrainSample]):
+        return self._seq_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples]).to(
+            self.engine.device
+        )
+
+    def _seq_batch(self, prompt_ids: list[list[int]], response_ids: list[list[int]]):
         from entropy_openrlhf.actors.forward import make_seq_batch
 
-        device = self.engine.device
-        return make_seq_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], self.pad_id).to(
-            device
-        )
+        return make_seq_batch(
+            prompt_ids, response_ids, self.pad_id, shared_prefix=self.cfg.train.shared_prefix,
+            model_config=self.engine.module.config,
+        )  # fmt: skip
 
     def _grid(self, values, batch, samples):
         from entropy_openrlhf.actors.forward import to_token_grid
@@ -404,9 +412,9 @@ class PolicyActor:
 
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
-        from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch
+        from entropy_openrlhf.actors.forward import forward_log_probs
 
-        b = make_seq_batch(prompt_ids, response_ids, self.pad_id).to(self.engine.device)
+        b = self._seq_batch(prompt_ids, response_ids).to(self.engine.device)
         self.engine.eval()
         with torch.no_grad():
             lp, _ = forward_log_probs(self.engine, b)

@@ -12,7 +12,7 @@ import torch
 
 @ray.remote
 class ReferenceActor:
-    def __init__(self, model_path: str, dtype: str = "auto", micro_batch_size: int = 4):
+    def __init__(self, model_path: str, dtype: str = "auto", micro_batch_size: int = 4, shared_prefix: str = "off"):
         import os
         import socket
 
@@ -41,6 +41,10 @@ class ReferenceActor:
         if index is not None:
             torch.cuda.set_device(index)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, model_path))
+        from entropy_openrlhf.actors.forward import use_shared_prefix
+
+        self.shared_prefix = shared_prefix
+        use_shared_prefix(self.model, shared_prefix)
         self.model.to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.micro_batch_size = micro_batch_size
@@ -53,7 +57,10 @@ class ReferenceActor:
         step = self.micro_batch_size
         with torch.no_grad():
             for i in range(0, len(prompt_ids), step):
-                b = make_seq_batch(prompt_ids[i : i + step], response_ids[i : i + step], self.pad_id).to(self.device)
+                b = make_seq_batch(
+                    prompt_ids[i : i + step], response_ids[i : i + step], self.pad_id,
+                    shared_prefix=self.shared_prefix, model_config=self.model.config,
+                ).to(self.device)  # fmt: skip
                 lp, _ = forward_log_probs(self.model, b)
                 out += [lp[j][b.mask[j].bool()].float().tolist() for j in range(lp.shape[0])]
         return out

@@ -137,7 +137,7 @@ class Trainer:
         if cfg.ref.enabled:
             self.reference = ReferenceActor.options(
                 num_cpus=cfg.ref.num_cpus, num_gpus=cfg.ref.num_gpus, resources=cfg.ref.custom_resources or None
-            ).remote(self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size)
+            ).remote(self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size, cfg.train.shared_prefix)
             wait_started([self.reference.ready.remote()], "the reference model actor", cfg.ray.start_timeout_s)
         self.policy = PolicyGroup(cfg, self.model_path, local=local)
         if self.sync_method == "collective":

@@ -59,7 +59,7 @@ def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
     samples, old = [], []
     with torch.no_grad():
         for i in range(N):
-            prompt = [1, 5 + i % 4, 6, 7 + i % 3]
+            prompt = [1, 5 + i // 4, 6, 7 + i // 4 % 3]  # groups of 4 responses share a prompt, as in GRPO
             response = [rng.randrange(3, 300) for _ in range(rng.randint(4, 12))]
             lp = model_log_probs(model, prompt, response)
             rollout = [float(x) + rng.uniform(-1.0, 1.0) for x in lp]
@@ -68,7 +68,7 @@ def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
     return samples, old
 
 
-def config(loss: str, scope: str, workers: int) -> Config:
+def config(loss: str, scope: str, workers: int, shared_prefix: str) -> Config:
     cfg = from_args(
         [
             "--preset", "smoke",
@@ -82,6 +82,7 @@ def config(loss: str, scope: str, workers: int) -> Config:
             "--loss.scope", scope,
             "--async.is_correction", "on",
             "--async.is_cap", str(IS_CAP),
+            "--train.shared_prefix", shared_prefix,
         ],
         {"loss.type": loss, **({"loss.clip_low": 1.0, "loss.clip_high": 1.0} if loss == "clip_cov" else {})},
     )  # fmt: skip
@@ -165,11 +166,14 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
 
 
 @pytest.mark.parametrize(
-    "loss, scope, workers",
-    [("kl_cov", "micro_batch", 1), ("clip_cov", "micro_batch", 1), ("kl_cov", "global", 2), ("clip_cov", "global", 2)],
-)
-def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers):
-    cfg = config(loss, scope, workers)
+    "loss, scope, workers, shared_prefix",
+    [("kl_cov", "micro_batch", 1, "on"), ("clip_cov", "micro_batch", 1, "off"), ("kl_cov", "global", 2, "auto"),
+     ("clip_cov", "global", 2, "on")],
+)  # fmt: skip
+def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers, shared_prefix):
+    """`shared_prefix` on/auto: the actor packs each micro-batch's pair of responses behind their one prompt; the
+    reference never packs."""
+    cfg = config(loss, scope, workers, shared_prefix)
     samples, old_rows = make_batch(tiny_model)
     initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
     group = PolicyGroup(cfg, tiny_model)
@@ -186,7 +190,7 @@ def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss,
     update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
     tolerance = 1e-3 * update
     assert update > 1e-3  # the step moved the weights
-    print(f"\n{loss}/{scope}/{workers}: update {update:.3g}, deviation {deviation(expected):.3g}")
+    print(f"\n{loss}/{scope}/{workers}/{shared_prefix}: update {update:.3g}, deviation {deviation(expected):.3g}")
     assert deviation(expected) < tolerance, (deviation(expected), update)
     unselected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers, select=False)
     print(f"without selection: deviation {deviation(unselected):.3g}")

@@ -1,0 +1,115 @@
+"""Shared-prefix packing: the layout, the choice, and exactness against the plain per-row forward.
+
+Exactness runs on a tiny random Llama in fp64: per-token log-probs and entropies of the packed layout equal the plain
+layout's, and so do the parameter gradients, to fp32 rounding relative to their size (the model's RMSNorm computes
+in fp32 whatever the dtype, and the two layouts sum a shared prompt's gradient in different orders).
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch, use_shared_prefix
+from entropy_openrlhf.actors.prefix_packing import choose_packing, estimated_cost, group_runs, pack
+from entropy_openrlhf.models.tiny import make_tiny_model
+
+# three groups (4, 1 and 2 responses) of different prompt lengths, responses of different lengths, one of 1 token
+PROMPTS = [[1, 5, 6, 7, 8]] * 4 + [[1, 9, 9]] + [[1, 4, 4, 4, 4, 4, 4]] * 2
+RESPONSES = [[20, 30, 40], [50, 60], [70, 80, 90, 100, 110], [21, 31], [5, 6, 7, 8], [11], [12, 13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def test_rows_hold_each_prompt_once_then_its_responses():
+    packed = pack(PROMPTS, RESPONSES, pad_id=0)
+    assert group_runs(PROMPTS) == [[0, 1, 2, 3], [4], [5, 6]]
+    assert [(r.prompt_len, r.starts, r.lengths) for r in packed.rows] == [
+        (5, [5, 8, 10, 15], [3, 2, 5, 2]), (3, [3], [4]), (7, [7, 8], [1, 6]),
+    ]  # fmt: skip
+    assert packed.input_ids[0].tolist() == [1, 5, 6, 7, 8, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 21, 31]
+    # positions restart at the prompt's length for every response
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 5, 6, 7, 8, 9, 5, 6]
+    assert packed.position_ids[1, :7].tolist() == [0, 1, 2, 3, 4, 5, 6] and packed.input_ids[1, 7:].eq(0).all()
+    # every response's first token is predicted at its prompt's last position, the others at the token before
+    first_response = list(zip(packed.source_row[:3].tolist(), packed.source_pos[:3].tolist()))
+    second_response = list(zip(packed.source_row[3:5].tolist(), packed.source_pos[3:5].tolist()))
+    assert first_response == [(0, 4), (0, 5), (0, 6)] and second_response == [(0, 4), (0, 8)]
+    assert len(packed.source_row) == sum(len(r) for r in RESPONSES)
+
+
+def test_groups_of_one_are_the_plain_batch():
+    plain = pack(PROMPTS, RESPONSES, pad_id=0, share=False)
+    assert len(plain.rows) == len(PROMPTS) and all(len(r.lengths) == 1 for r in plain.rows)
+    assert plain.input_ids[0, :8].tolist() == PROMPTS[0] + RESPONSES[0]
+
+
+def test_auto_packs_long_prompts_and_keeps_rows_without_a_shared_prompt():
+    demo_prompts = [list(range(1, 361))] * 4
+    demo_responses = [list(range(400, 428))] * 4
+    assert len(choose_packing("auto", demo_prompts, demo_responses, 0, 576, 1536).rows) == 1
+    distinct = [[1, i] for i in range(4)]
+    assert len(choose_packing("auto", distinct, demo_responses, 0, 576, 1536).rows) == 4  # nothing to share
+    assert len(choose_packing("off", demo_prompts, demo_responses, 0, 576, 1536).rows) == 4
+    assert len(choose_packing("on", distinct, demo_responses, 0, 576, 1536).rows) == 4
+    shared, plain = pack(demo_prompts, demo_responses, 0), pack(demo_prompts, demo_responses, 0, share=False)
+    assert estimated_cost(plain, 576, 1536) / estimated_cost(shared, 576, 1536) > 3  # 95% of tokens were prompt
+    with pytest.raises(ValueError, match="auto | on | off"):
+        choose_packing("always", demo_prompts, demo_responses, 0, 576, 1536)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_forward_and_backward_equal_the_plain_ones(tiny, checkpointing):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64)
+    if checkpointing:  # the GPU presets' setting: the layout must reach the recomputed layers too
+        model.gradient_checkpointing_enable()
+        model.train()
+    adv = torch.linspace(-1.0, 1.0, len(PROMPTS))[:, None]
+
+    def run(batch):
+        lp, ent = forward_log_probs(model, batch, with_entropy=True)
+        loss = ((lp * adv + lp.exp()) * batch.mask).sum()  # a loss that weighs every token differently
+        loss.backward()
+        return lp.detach() * batch.mask, ent * batch.mask, grads(model)
+
+    plain_lp, plain_ent, plain_grads = run(make_seq_batch(PROMPTS, RESPONSES, 0))
+    assert use_shared_prefix(model, "on")
+    packed_batch = make_seq_batch(PROMPTS, RESPONSES, 0, shared_prefix="on", model_config=model.config)
+    assert len(packed_batch.packed.rows) == 3
+    lp, ent, packed_grads = run(packed_batch)
+    assert torch.equal(lp, plain_lp)
+    assert torch.equal(ent, plain_ent)
+    for name, g in plain_grads.items():
+        scale = float(g.abs().max()) or 1.0
+        assert float((packed_grads[name] - g).abs().max()) <= 1e-6 * scale, name
+    assert any(float(g.abs().max()) > 0 for g in plain_grads.values())
+
+
+def test_a_group_split_across_micro_batches_repeats_its_prompt(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64)
+    with torch.no_grad():
+        whole, _ = forward_log_probs(model, make_seq_batch(PROMPTS, RESPONSES, 0))
+        use_shared_prefix(model, "on")
+        parts = []
+        for lo, hi in ((0, 2), (2, 7)):  # the first group's 4 responses split 2 + 2
+            b = make_seq_batch(PROMPTS[lo:hi], RESPONSES[lo:hi], 0, shared_prefix="on", model_config=model.config)
+            lp, _ = forward_log_probs(model, b)
+            parts += [lp[i][b.mask[i].bool()] for i in range(hi - lo)]
+    plain = make_seq_batch(PROMPTS, RESPONSES, 0)
+    for i, got in enumerate(parts):
+        assert torch.equal(got, whole[i][plain.mask[i].bool()]), i
+
+
+def test_a_model_switched_to_packing_refuses_a_batch_without_a_layout(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    use_shared_prefix(model, "auto")
+    with pytest.raises(RuntimeError, match="needs the packed layout"):
+        forward_log_probs(model, make_seq_batch(PROMPTS, RESPONSES, 0))
