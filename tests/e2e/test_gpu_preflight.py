@@ -5,13 +5,18 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from entropy_openrlhf.pipeline.gpu_preflight import CHECKS
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).parents[2]
 # the digit-share verifier gives a tiny random model rewards that differ within groups, so the steps train
 VERIFIER = str(ROOT / "tests" / "integration" / "verifiers.py") + ":digit_share"
 
 
+@pytest.mark.timeout(1500)  # two pipeline runs under the subprocess's own 1200 s limit
 def test_cpu_twin_passes_every_check(tmp_path):
     out = tmp_path / "preflight"
     proc = subprocess.run(

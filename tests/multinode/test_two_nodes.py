@@ -33,7 +33,11 @@ VERIFIER = str(ROOT / "tests" / "integration" / "verifiers.py") + ":digit_share"
 GAP_BOUND = 1e-3  # trainer vs engine log-probs after a sync, as in tests/integration/test_pipeline.py
 RUN_TIMEOUT_S = 600
 
-pytestmark = pytest.mark.skipif(missing_requirement() is not None, reason=str(missing_requirement()))
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(1200),  # two pipeline runs and a failed one, on a machine that may be busy
+    pytest.mark.skipif(missing_requirement() is not None, reason=str(missing_requirement())),
+]
 
 
 @pytest.fixture(scope="module")
