@@ -33,3 +33,8 @@ def test_overlap_async_beats_sync():
     assert key == "overlap_efficiency"
     # the bound is 1.43 for both settings: an efficiency above 0.75 means async was faster than sync
     assert 0.75 < efficiency <= 1.05
+
+
+def test_prefix_sharing_measures_all_three_modes():
+    key, speedup = run_benchmark("prefix_sharing", "--model", "tiny", "--repeats", "1", "--shapes", "demo")
+    assert key == "prefix_sharing_step_speedup" and speedup > 0
