@@ -125,11 +125,18 @@ class WeightSyncExtension:
             raise WeightSyncError("this vLLM worker has not joined a weight sync group: init_collective first")
         received = group.receive(meta)
         try:
-            self._reload_named_weights(received)
-        finally:
-            for _ in received:  # a load that stopped early: take the rest, so the sender is not left waiting
-                pass
-        group.finish("receiving the policy's weights")  # NCCL queues the receives: done, or aborted at the deadline
+            try:
+                self._reload_named_weights(received)
+            finally:
+                for _ in received:  # a load that stopped early: take the rest, so the sender is not left waiting
+                    pass
+            group.finish("receiving the policy's weights")  # NCCL queues the receives: done, or aborted in time
+        except BaseException:
+            # out of step with the other ranks: leave the group at once, so that ranks still waiting on this one
+            # fail now rather than at the group's timeout; the driver rebuilds the group
+            self.weight_sync_group = None
+            group.close()
+            raise
         return len(meta)
 
     def reload_log_counts(self) -> dict:

@@ -203,11 +203,15 @@ class WeightSyncGroup:
             yield name, tensor
 
     def close(self) -> None:
-        """Release the group: NCCL's communicator is aborted (its GPU buffers and threads freed, and a peer stuck
-        in a broadcast with it released); gloo's process group closes its connections when dropped."""
-        comm, self.comm, self.pg, self._store = self.comm, None, None, None
+        """Release the group, so that a peer still waiting on this rank fails now rather than at the group's
+        timeout. NCCL: the communicator is aborted (ncclCommAbort; its GPU buffers and threads freed). Gloo: the
+        process group is aborted and dropped; its connections close with the last reference (a peer blocked in a
+        broadcast with this rank got "Connection closed by peer" within a second here, against a 20 s timeout)."""
+        comm, pg, self.comm, self.pg, self._store = self.comm, self.pg, None, None, None
         if comm is not None:  # GPU-only
             comm.destroy()
+        if pg is not None:
+            pg.abort()
 
 
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
@@ -249,15 +253,28 @@ class WeightSender:
 
         if self.rank == 0 and self.group is None:
             raise WeightSyncError("the weight sync group is not set up: init_collective first")
+        failure: BaseException | None = None
         for _, param in self.params:
             with deepspeed.zero.GatheredParameters([param], enabled=self.zero3):
-                if self.rank == 0:
-                    self.group.send(param.data)
-                    # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
-                    if self.zero3:
-                        self.group.finish()
-        if self.rank == 0:
-            self.group.finish()
+                if self.rank == 0 and failure is None:
+                    try:
+                        self.group.send(param.data)
+                        # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
+                        if self.zero3:
+                            self.group.finish()
+                    except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are done gathering
+                        failure = e
+                        self.close()  # engines still waiting on rank 0 fail now, not at the group's timeout
+            # after a failure rank 0 keeps taking part in the gathers: under ZeRO-3 the other ranks would otherwise
+            # wait for it in the next one
+        if self.rank == 0 and failure is None:
+            try:
+                self.group.finish()
+            except Exception as e:  # noqa: BLE001 - raised below
+                failure = e
+                self.close()
+        if failure is not None:
+            raise failure
         return len(self.params)
 
     def close(self) -> None:
