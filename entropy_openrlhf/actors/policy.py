@@ -588,11 +588,18 @@ class PolicyGroup:
         merged["train/tokens"] = sum(r["train/tokens"] for r in results)
         return merged
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync."""
+    def export_weights(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync. With
+        `timeout_s`, raises TimeoutError naming the policy when the ranks have not answered by then."""
         from entropy_openrlhf.actors.weight_chunks import ExportedWeights
 
-        state = ray.get(self._on_all_ranks("export_weights"))[0]
+        try:
+            state = ray.get(self._on_all_ranks("export_weights"), timeout=timeout_s)[0]
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"the policy group did not export its weights within {timeout_s:.0f} s (its ranks run their calls in "
+                "order: a long training step delays the export)"
+            ) from None
         return ExportedWeights(state, self.cfg.sync.max_chunk_mb)
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):

@@ -572,7 +572,7 @@ class RolloutGroup:
             # may have finished its next step meanwhile (its calls run before this export on the policy actors);
             # the engine then holds newer weights than its samples' label says, so they are at most as stale as
             # labeled, and the importance correction uses the engine's own log-probs. The next sync evens it out.
-            chunks = self._put_chunks(self._policy.export_weights(), None)
+            chunks = self._put_chunks(self._policy.export_weights(timeout_s=self._export_timeout_s()), None)
         else:
             raise RuntimeError(
                 f"rollout engine {i} restarted; the group holds no copy of policy version {self.version} to reload"
@@ -584,6 +584,11 @@ class RolloutGroup:
                 f"rollout engine {i} {why}, and reloading policy version {self.version} into it took over "
                 f"{self._sync_timeout_s:.1f} s"
             ) from None
+
+    def _export_timeout_s(self) -> float:
+        """How long a re-export for a restarted engine may take: the policy may first finish a training step that
+        the trainer thread started (its calls run in order), so at least ENGINE_RESTART_TIMEOUT_S."""
+        return max(self._sync_timeout_s, ENGINE_RESTART_TIMEOUT_S)
 
     def _rebuild_collective(self, why: str) -> None:
         """Close and re-open the broadcast group on every member (policy rank 0 and every engine worker)."""
@@ -786,7 +791,8 @@ class RolloutGroup:
         why = f"died during the weight sync to policy version {version}"
         log.warning("rollout engine(s) %s %s: every engine gets it through the object store", dead, why)
         self.version = version
-        self._synced = (self._put_chunks(self._policy.export_weights(), None), version)
+        state = self._policy.export_weights(timeout_s=self._export_timeout_s())
+        self._synced = (self._put_chunks(state, None), version)
         live = {
             i: a.update_weights.remote(self._synced[0], version) for i, a in enumerate(self.actors) if i not in dead
         }
