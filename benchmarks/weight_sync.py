@@ -10,8 +10,10 @@ Ray, then the sync paths take turns, `--repeats` times each:
   shown apart.
 MB moved = the bytes of the weights (each engine receives all of them). The same run times one rollout batch of the
 demo (8 prompts x 4 samples x up to 128 tokens of the built-in task) on the same engines, and shows each sync as a
-fraction of it. After the syncs the engine's and the policy's log-probs of one response are compared: a fast sync
-that loads the wrong weights is no result.
+fraction of it. Before every sync the policy's weights are nudged (seeded noise, 5% of each tensor's mean size), so
+every sync has new weights to move; after every sync the engine's and the policy's log-probs of one fixed response
+must agree within `MAX_LOGPROB_GAP`, and the gap the engine had before the sync (still holding the previous
+weights) is printed beside it: a sync that loaded nothing would keep that gap, far above the bound.
 
     .venv/bin/python benchmarks/weight_sync.py                           # tiny and SmolLM2-135M-Instruct
     .venv/bin/python benchmarks/weight_sync.py --models tiny --repeats 2 # a quick check
@@ -33,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LOGPROB_GAP = 0.5  # engine vs policy after a sync; bf16 SmolLM2 differs by ~0.05, a wrong model by several
+# engine vs policy after a sync, by dtype: fp32 differs by ~1e-6, bf16 SmolLM2 by ~0.01 (CPU)
+MAX_LOGPROB_GAP = {"float32": 1e-3, "bfloat16": 0.05}
+NUDGE = 0.05  # of each tensor's mean absolute value: moves log-probs by far more than the bound
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Result:
     generation_s: float
     seconds: dict[str, list[float]] = field(default_factory=dict)  # path -> seconds per sync
     setup_s: float | None = None  # collective group set-up
-    logprob_gap: float = float("nan")
+    gaps_after: list[float] = field(default_factory=list)  # engine vs policy after each sync
+    gaps_before: list[float] = field(default_factory=list)  # the same, just before each sync (stale engine)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +71,21 @@ def has_collective() -> bool:
     return hasattr(RolloutGroup, "update_weights_collective") and hasattr(RolloutGroup, "init_collective")
 
 
+def nudge(actor_self, seed: int) -> None:
+    """Runs in every policy rank (`__ray_call__`): the same seeded noise on every weight, so each sync moves weights
+    the engines do not hold yet. ZeRO-2 keeps full parameters on every rank; nothing trains in this benchmark, so
+    the optimizer's own copies never overwrite them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in actor_self.engine.module.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+            p.add_(noise * NUDGE * p.abs().mean())
+
+
 def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: str) -> Result:
+    import ray
     from transformers import AutoTokenizer
 
     from entropy_openrlhf.actors.policy import PolicyGroup
@@ -114,14 +133,30 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
             )  # fmt: skip
             return time.perf_counter() - t0
 
-        def sync(path: str) -> float:
+        # one fixed response of the model, scored by the engine and by the policy around every sync
+        sample = rollout.generate(
+            prompts[:1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=1, policy_version=0
+        )[0]
+
+        def gap() -> float:
+            seq = [sample.prompt_token_ids], [sample.response_token_ids]
+            engine_lp, policy_lp = rollout.sequence_log_probs(*seq)[0], policy.forward_log_probs(*seq)[0]
+            return max(abs(a - b) for a, b in zip(engine_lp, policy_lp, strict=True))
+
+        def sync(path: str, check: bool) -> float:
             rollout_version[0] += 1
+            ray.get([a.__ray_call__.remote(nudge, rollout_version[0]) for a in policy.actors])
+            if check:
+                result.gaps_before.append(gap())
             t0 = time.perf_counter()
             if path == "object_store":
                 rollout.update_weights(policy.export_weights(), rollout_version[0], timeout_s=600)
             else:
                 rollout.update_weights_collective(policy, rollout_version[0], timeout_s=600)
-            return time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            if check:
+                result.gaps_after.append(gap())
+            return seconds
 
         label = name if name in ("tiny", "smollm2") else Path(name).name
         result = Result(label, dtype, megabytes, generation_s=0.0)
@@ -131,22 +166,14 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
             result.setup_s = time.perf_counter() - t0
         generate()  # warm-up
         for path in paths:
-            sync(path)  # warm-up
+            sync(path, check=True)  # warm-up, checked too
         result.seconds = {path: [] for path in paths}
         generation = []
         for r in range(args.repeats):
             for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
-                result.seconds[path].append(sync(path))
+                result.seconds[path].append(sync(path, check=True))
             generation.append(generate())
         result.generation_s = statistics.median(generation)
-
-        # the engine now holds the policy's weights: both score one sampled response alike
-        sample = rollout.generate(
-            prompts[:1], n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=1, policy_version=rollout_version[0]
-        )[0]
-        engine_lp = rollout.sequence_log_probs([sample.prompt_token_ids], [sample.response_token_ids])[0]
-        policy_lp = policy.forward_log_probs([sample.prompt_token_ids], [sample.response_token_ids])[0]
-        result.logprob_gap = max(abs(a - b) for a, b in zip(engine_lp, policy_lp, strict=True))
         return result
     finally:
         if rollout is not None:
@@ -200,11 +227,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.generation_s:>8.2f}{s / r.generation_s:>10.3f}{setup}"
             )
     for r in results:
-        print(f"{r.model}: max |engine - policy| log-prob after the syncs: {r.logprob_gap:.4f}")
+        print(
+            f"{r.model}: max |engine - policy| log-prob after each of {len(r.gaps_after)} syncs: "
+            f"{max(r.gaps_after):.2e} (bound {MAX_LOGPROB_GAP[r.dtype]:g}); just before each, with the new "
+            f"weights not yet synced: at least {min(r.gaps_before):.2e}"
+        )
         if {"object_store", "collective"} <= set(r.seconds):
             ratio = statistics.median(r.seconds["object_store"]) / statistics.median(r.seconds["collective"])
             print(f"{r.model}: object store / collective seconds per sync: {ratio:.2f}")
-    bad = [r.model for r in results if not r.logprob_gap <= MAX_LOGPROB_GAP]
+    # every sync loaded the new weights, and the check could tell: a stale engine was far outside the bound
+    bad = [r.model for r in results if not (max(r.gaps_after) <= MAX_LOGPROB_GAP[r.dtype] < min(r.gaps_before))]
     if bad:
         print(f"error: the engines do not hold the policy's weights after a sync ({', '.join(bad)})", file=sys.stderr)
         return 1
