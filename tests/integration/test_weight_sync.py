@@ -119,15 +119,18 @@ class TestCollectiveSync:
         prompt = PromptItem(
             index=0, prompt="<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", label=""
         )
+        # about 250k tokens: tens of seconds on a quiet machine, far longer than the sync's deadline below
         busy = engines.actors[0].generate.remote(
-            [prompt], n=128, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
+            [prompt], n=512, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
         )
         # an engine busy on a long call is named before any rank enters the broadcast, so the group stays usable
+        deadline = 5.0
         t0 = time.time()
         with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2 did not answer before the broadcast"):
-            engines.update_weights_collective(policy, version=3, timeout_s=2.0)
-        assert time.time() - t0 < 6.0
-        assert len(ray.get(busy)) == 128  # the generation itself was not disturbed
+            engines.update_weights_collective(policy, version=3, timeout_s=deadline)
+        assert deadline <= time.time() - t0 < deadline + 60  # it waited for the deadline, and no longer
+        assert ray.wait([busy], timeout=0)[1] == [busy]  # the premise: the engine was still busy at the deadline
+        assert len(ray.get(busy)) == 512  # the generation itself was not disturbed
         engines.update_weights_collective(policy, version=3, timeout_s=60)
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [3, 3]
 
@@ -145,11 +148,11 @@ class TestCollectiveSync:
         stuck = r"engine\(s\) \[0, 1\] of 2 did not finish.*policy rank\(s\) \[0\] did not finish"
         try:
             with pytest.raises(WeightSyncTimeoutError, match=stuck):
-                engines.update_weights_collective(policy, version=4, timeout_s=2.0)
+                engines.update_weights_collective(policy, version=4, timeout_s=deadline)
         finally:
             del engines._recover_dead_engines
             os.kill(pid, signal.SIGCONT)
-        assert time.time() - t0 < 6.0
+        assert deadline <= time.time() - t0 < deadline + 60
         with pytest.raises(WeightSyncError, match="closed"):  # ranks may be out of step: no second try on it
             engines.update_weights_collective(policy, version=4, timeout_s=10)
 
@@ -175,9 +178,12 @@ class TestCollectiveSync:
         pid = engine_pid(engines.actors[0])
         check = engines._recover_dead_engines
 
+        frozen = threading.Event()
+
         def check_then_freeze(*args) -> None:
             check(*args)  # every engine answered: the broadcast starts next, and engine 0 cannot finish it
             os.kill(pid, signal.SIGSTOP)
+            frozen.set()
 
         engines._recover_dead_engines = check_then_freeze
         result: dict = {}
@@ -185,8 +191,9 @@ class TestCollectiveSync:
             target=lambda: result.update(s=engines.update_weights_collective(policy, version=5, timeout_s=120))
         )
         sync.start()
-        time.sleep(3.0)
-        assert sync.is_alive()  # the broadcast is in flight
+        assert frozen.wait(timeout=120)  # engine 0 is stopped, and the broadcast it cannot finish begins
+        time.sleep(1.0)
+        assert sync.is_alive()  # the broadcast is in flight, held up by the stopped engine
         os.kill(pid, signal.SIGKILL)
         sync.join(timeout=600)
         del engines._recover_dead_engines
