@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -111,12 +112,14 @@ class Node:
 class TwoNodes:
     """Node a (198.18.0.1, the Ray head) and node b (198.18.0.2, a worker). Use as a context manager."""
 
-    def __init__(self, tmpfs_mb: int = 2048):
+    def __init__(self, tmpfs_mb: int = 2048, keep: list[Path] = ()):
+        """`keep`: folders under /tmp (the checkout, when CI clones it there) that stay visible on the nodes."""
         tag = f"{PREFIX}{os.getpid()}"
         self.nodes = [
             Node(letter, f"{SUBNET}.{i + 1}", f"{tag}{letter}", f"{tag}{letter}") for i, letter in enumerate("ab")
         ]
         self.tmpfs_mb = tmpfs_mb
+        self.keep = [Path(p).resolve() for p in keep if Path(p).resolve().is_relative_to("/tmp")]
 
     @property
     def head(self) -> Node:
@@ -147,8 +150,16 @@ class TwoNodes:
             _run("ip", "-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", node.ifname)
             _run("ip", "-n", node.ns, "link", "set", node.ifname, "up")
             _run("ip", "-n", node.ns, "link", "set", "lo", "up")
+        # The host's /tmp is first bound under a small tmpfs on /mnt (this namespace's own), so the folders to keep
+        # can be bound back at their own paths once the new tmpfs covers /tmp.
+        rebind = "".join(
+            f"mkdir -p {shlex.quote(str(p))} && "
+            f"mount --bind {shlex.quote('/mnt/host-tmp/' + str(p.relative_to('/tmp')))} {shlex.quote(str(p))} && "
+            for p in self.keep
+        )
         mounts = (
-            f"mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs /tmp && "
+            "mount -t tmpfs -o size=1m tmpfs /mnt && mkdir /mnt/host-tmp && mount --bind /tmp /mnt/host-tmp && "
+            f"mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs /tmp && {rebind}"
             f"mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs /dev/shm && echo ready && exec sleep infinity"
         )
         for node in self.nodes:

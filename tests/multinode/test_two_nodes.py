@@ -51,7 +51,7 @@ def cluster():
         "LANG": "C.UTF-8",
         "RAY_AUTH_MODE": "disabled",
     }
-    nodes = TwoNodes()
+    nodes = TwoNodes(keep=[ROOT])  # a checkout under /tmp (as CI may clone it) must stay visible on the nodes
     with nodes:
         address = start_ray(nodes, root=ROOT, base_env=base, num_cpus=3, worker_env={"MASTER_ADDR": nodes.head.ip})
         yield nodes, address, shared, base
