@@ -116,21 +116,24 @@ class TestCollectiveSync:
         from tests.integration.test_reliability import engine_pid
 
         engines.init_collective(policy, timeout_s=8)  # the group's own timeout frees the stuck ranks after 8 s
-        prompt = PromptItem(
-            index=0, prompt="<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", label=""
-        )
-        # about 250k tokens: tens of seconds on a quiet machine, far longer than the sync's deadline below
-        busy = engines.actors[0].generate.remote(
-            [prompt], n=512, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=0, policy_version=0
-        )
+        chat = "<|im_start|>user\nWhat is {} + 4?<|im_end|>\n<|im_start|>assistant\n"
+        prompts = [PromptItem(index=i, prompt=chat.format(i), label="") for i in range(4)]
+        # four generate calls queued on engine 0 (a tiny random model ends many samples early, so one call can take
+        # only a second or two): together far longer than the sync's deadline below, even on a fast machine
+        busy = [
+            engines.actors[0].generate.remote(
+                prompts, n=128, temperature=1.0, top_p=1.0, max_new_tokens=480, seed=None, policy_version=0
+            )
+            for _ in range(4)
+        ]
         # an engine busy on a long call is named before any rank enters the broadcast, so the group stays usable
         deadline = 5.0
         t0 = time.time()
         with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2 did not answer before the broadcast"):
             engines.update_weights_collective(policy, version=3, timeout_s=deadline)
         assert deadline <= time.time() - t0 < deadline + 60  # it waited for the deadline, and no longer
-        assert ray.wait([busy], timeout=0)[1] == [busy]  # the premise: the engine was still busy at the deadline
-        assert len(ray.get(busy)) == 512  # the generation itself was not disturbed
+        assert ray.wait(busy, num_returns=len(busy), timeout=0)[1]  # the premise: still busy at the deadline
+        assert all(len(out) == 512 for out in ray.get(busy))  # the generations themselves were not disturbed
         engines.update_weights_collective(policy, version=3, timeout_s=60)
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [3, 3]
 
