@@ -65,6 +65,9 @@ _DAPO_COMMON: dict[str, Any] = {
     "actor.zero_stage": 3,
     "actor.gradient_checkpointing": True,
     "actor.micro_batch_size": 1,
+    # one sequence per micro-batch leaves no prompt to share: keep the model's own attention (shared-prefix packing
+    # pays when a micro-batch holds several responses of a prompt; docs/cluster.md)
+    "train.shared_prefix": "off",
     # 2048 responses per step to verify (the fork uses a 64-process pool); a quarter CPU each (Ray's accounting)
     # keeps the whole 7B run within the 16 logical CPUs of a local Ray (--ray.num_cpus)
     "reward.num_workers": 16,
