@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = "loss_overhead_max_ratio"
 # (name, loss.type, loss.scope); ppo ignores the scope
@@ -201,13 +203,6 @@ def time_losses(repeats: int, threads: int) -> list[tuple[str, str, float, float
             med = statistics.median(ts)
             rows.append((f"{micro_per_mini}x{rows_per_micro}x{length}", name, med * 1000, med / base))
     return rows
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = "prefix_sharing_step_speedup"
 MODES = ("off", "on", "auto")
@@ -125,13 +127,6 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
 def paired(times: dict[str, dict[str, list[float]]], part: str, mode: str) -> float:
     """Median over repeats of off / mode for one part (step or reference)."""
     return statistics.median(o / m for o, m in zip(times["off"][part], times[mode][part]))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:

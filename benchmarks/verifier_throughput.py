@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "math_verifier_cases.jsonl"
@@ -72,16 +73,6 @@ def run_group(cases: list[dict], repeats: int, workers: int, timeout_s: float) -
     finally:
         group.shutdown()
     return cold, warm, wrong_cold + wrong
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
