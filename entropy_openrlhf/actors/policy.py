@@ -251,8 +251,9 @@ class PolicyActor:
             add("entropy/seq_mean", es["seq_mean"])
             add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
             # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
-            add("rollout/logprob_diff_max", float(((r - lp).abs() * b.mask).max()))
-            add("rollout/logprob_diff_mean", float(((r - lp).abs() * b.mask).sum() / n))
+            gap = (r - lp).abs() * b.mask
+            add("rollout/logprob_diff_max", float(gap.max()))
+            add("rollout/logprob_diff_mean", float(gap.sum() / n))
         has_ref = all(s.ref_log_probs is not None for s in samples)
         ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
         if ref_lp is not None:

@@ -125,13 +125,13 @@ def choose_packing(mode: str, prompt_ids: list[list[int]], response_ids: list[li
     the estimate says it costs less than the plain layout."""
     if mode not in MODES:
         raise ValueError(f"shared_prefix {mode!r}: auto | on | off")
-    plain = pack(prompt_ids, response_ids, pad_id, share=False)
     if mode == "off":
-        return plain
+        return pack(prompt_ids, response_ids, pad_id, share=False)
     shared = pack(prompt_ids, response_ids, pad_id, share=True)
-    if mode == "on" or estimated_cost(shared, hidden, ffn) < estimated_cost(plain, hidden, ffn):
+    if mode == "on" or len(shared.rows) == len(prompt_ids):  # nothing shared: the same layout either way
         return shared
-    return plain
+    plain = pack(prompt_ids, response_ids, pad_id, share=False)
+    return shared if estimated_cost(shared, hidden, ffn) < estimated_cost(plain, hidden, ffn) else plain
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -168,9 +169,12 @@ class TwoNodes:
                 ["ip", "netns", "exec", node.ns, "unshare", "--mount", "--propagation", "private", "sh", "-c", mounts],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
-            line = node.holder.stdout.readline().strip()
+            # a few mounts: a node that has not reported within 30 s will not
+            answered, _, _ = select.select([node.holder.stdout], [], [], 30.0)
+            line = node.holder.stdout.readline().strip() if answered else "no answer within 30 s"
             if line != "ready":
-                raise RuntimeError(f"node {node.letter}: could not mount its private /tmp: {node.holder.stderr.read()}")
+                why = node.holder.stderr.read() if node.holder.poll() is not None else line  # exited: its error
+                raise RuntimeError(f"node {node.letter}: could not mount its private /tmp: {why}")
 
     def close(self) -> None:
         for node in self.nodes:
