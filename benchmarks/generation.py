@@ -125,14 +125,13 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from entropy_openrlhf.actors.rollout import RolloutEngine, resolve_dtype
+    from entropy_openrlhf.actors.rollout import RolloutEngine
     from entropy_openrlhf.models import model_folder
+    from entropy_openrlhf.models.dtype import vllm_dtype
 
     tmp = tempfile.TemporaryDirectory(prefix="generation_")  # removed when the process ends
     model_path = model_folder(args.model, tmp.name)
-    dtype = resolve_dtype(args.dtype, model_path)
-    if dtype == "auto":
-        dtype = "float32"
+    dtype = vllm_dtype(args.dtype, model_path)  # the same rule as the pipelines', for both sides
 
     load_before = os.getloadavg()[0]
     try:

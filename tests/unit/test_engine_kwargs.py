@@ -75,11 +75,11 @@ def test_the_trainer_hands_the_rollout_flags_to_its_rollout_group(monkeypatch):
 
     seen = {}
 
-    def fake_group(model_path, **kwargs):
+    def fake_init(self, model_path, **kwargs):
         seen.update(kwargs)
         raise Started  # the other groups are not this test's business
 
-    monkeypatch.setattr(rollout, "RolloutGroup", fake_group)
+    monkeypatch.setattr(rollout.RolloutGroup, "__init__", fake_init)
     trainer = Trainer.__new__(Trainer)  # start_groups reads only cfg and model_path before the rollout group
     trainer.cfg = from_args(["--preset", "qwen2.5-32b-dapo", "--rollout.gpu_memory_utilization", "0.85"])
     trainer.model_path = "/m"
@@ -91,3 +91,39 @@ def test_the_trainer_hands_the_rollout_flags_to_its_rollout_group(monkeypatch):
     # RolloutGroup passes them on to each RolloutEngine as its **engine_kwargs; on a GPU node they become
     kwargs = engine_tuning_kwargs(on_gpu=True, **{k: seen[k] for k in TUNING_FLAGS})
     assert kwargs == {"gpu_memory_utilization": 0.85, "enforce_eager": False, "max_num_seqs": 256}
+
+
+def test_from_config_passes_every_engine_setting_of_the_config(monkeypatch):
+    """The trainer, scripts/evaluate.py and the weight sync benchmark start their engines through from_config: every
+    argument of RolloutGroup and RolloutEngine that a flag sets comes from the config, none is left at its default."""
+    import inspect
+
+    # every keyword of the group and of its engines, but the model folder and what no flag sets
+    free = {"self", "model_path", "env_vars", "engine_kwargs", "llm_kwargs"}
+    params = set(inspect.signature(rollout.RolloutGroup.__init__).parameters)
+    params |= set(inspect.signature(rollout.RolloutEngine.__init__).parameters)
+    params = {p for p in params - free if not p.startswith("_")}  # ray.remote adds _ray_trace_ctx
+
+    seen = {}
+
+    def fake_init(self, model_path, **kwargs):
+        seen.update(kwargs, model_path=model_path)
+
+    monkeypatch.setattr(rollout.RolloutGroup, "__init__", fake_init)
+    cfg = from_args([
+        "--rollout.num_engines", "3", "--rollout.num_cpus_per_engine", "4", "--rollout.num_gpus_per_engine", "2",
+        "--rollout.tensor_parallel_size", "2", "--rollout.custom_resources", '{"node_a": 1}', "--train.seed", "7",
+        "--model.dtype", "bf16", "--rollout.max_model_len", "2048", "--rollout.generate_timeout_s", "99",
+        "--ray.placement_timeout_s", "11", "--ray.start_timeout_s", "22", "--rollout.gpu_memory_utilization", "0.7",
+        "--rollout.enforce_eager", "true", "--rollout.enable_prefix_caching", "false", "--rollout.max_num_seqs", "64",
+        "--rollout.max_num_batched_tokens", "4096",
+    ])  # fmt: skip
+    rollout.RolloutGroup.from_config(cfg, "/m", env_vars={"X": "1"})
+    assert seen.pop("model_path") == "/m" and seen.pop("env_vars") == {"X": "1"}  # overrides reach __init__
+    assert seen == {
+        "num_engines": 3, "num_cpus_per_engine": 4, "num_gpus_per_engine": 2, "tensor_parallel_size": 2,
+        "custom_resources": {"node_a": 1}, "seed": 7, "dtype": "bf16", "max_model_len": 2048,
+        "generate_timeout_s": 99, "placement_timeout_s": 11, "start_timeout_s": 22, "gpu_memory_utilization": 0.7,
+        "enforce_eager": "true", "enable_prefix_caching": False, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
+    }  # fmt: skip
+    assert set(seen) == params, params ^ set(seen)  # a new engine argument must be taken from the config here too
