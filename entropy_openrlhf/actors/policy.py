@@ -26,6 +26,7 @@ import torch
 
 from entropy_openrlhf.cluster import set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.config import Config
+from entropy_openrlhf.models.dtype import resolve_dtype
 
 
 @dataclass
@@ -420,28 +421,6 @@ class PolicyActor:
         with torch.no_grad():
             lp, _ = forward_log_probs(self.engine, b)
         return [lp[i][b.mask[i].bool()].float().tolist() for i in range(len(prompt_ids))]
-
-
-def resolve_dtype(name: str, model_path: str) -> torch.dtype:
-    """The training/reference dtype. auto: fp32 on CPU, the checkpoint's own dtype on GPU.
-
-    On CPUs without AMX, PyTorch's bf16 matmuls take a slow path: on our 2-core AMD EPYC machine a (700x576) @
-    (576x1536) bf16 matmul ran 60x slower than fp32 and a SmolLM2 forward 6.6x slower, so bf16 training there is
-    never worth it; fp32 also matches the engines' log-probs more closely.
-    """
-    if name == "bf16":
-        return torch.bfloat16
-    if name == "fp32" or not torch.cuda.is_available():
-        return torch.float32
-    import json
-
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            conf = json.load(f)
-        saved = conf.get("dtype") or conf.get("torch_dtype") or "float32"
-    except OSError:
-        saved = "float32"
-    return torch.bfloat16 if saved == "bfloat16" else torch.float32
 
 
 # Ray sets CUDA_VISIBLE_DEVICES to each actor's own GPUs unless this is set (then every process sees the node's GPUs)
