@@ -1,0 +1,500 @@
+"""Our objectives in OpenRLHF's own trainer: `train_ppo_ray` unchanged, its `PolicyLoss` replaced (docs/openrlhf.md).
+
+    python -m entropy_openrlhf.integrations.openrlhf --objective kl_cov --objective.ratio 2e-3 \\
+        <any openrlhf.cli.train_ppo_ray flag>
+
+runs OpenRLHF's `train_ppo_ray` as it is, with the objective installed in every Ray worker by a
+`worker_process_setup_hook` added to the runtime env OpenRLHF starts Ray with (merged with a `ray job submit`
+job's own). Users with their own launcher call `install(name, **params)` in the process that builds the trainer,
+or pass `runtime_env(name, **params)` to their own `ray.init`.
+
+This module is imported by every Ray worker of such a job (the setup hook lives here), so it imports nothing heavy
+at module level: torch, OpenRLHF and the objectives are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import runpy
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+SUPPORTED_OPENRLHF = "0.11.2"
+PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
+TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
+# The objective a job's workers install, as JSON: {"objective", "params", "objectives", "seed"}
+SPEC_ENV = "ENTROPY_OPENRLHF_OBJECTIVE"
+# Ray imports it by name in each worker (a module path, not a pickled function: nothing to upload, same on every node)
+SETUP_HOOK = "entropy_openrlhf.integrations.openrlhf.setup_worker"
+
+# What the adapter was written against: the parameters of OpenRLHF 0.11.2's PolicyLoss and of the trainer method
+# that calls it. A release that renames or adds one fails the guard instead of being patched blindly.
+EXPECTED_SIGNATURES = {
+    "PolicyLoss.__init__": (
+        "self", "clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
+        "is_correction_level", "is_correction_mode", "is_correction_gating", "is_correction_threshold",
+    ),
+    "PolicyLoss.forward": (
+        "self", "log_probs", "old_log_probs", "advantages", "action_mask", "rollout_log_probs", "dp_size",
+        "batch_num_tokens", "global_batch_size",
+    ),
+    "ActorPPOTrainer.training_step": ("self", "experience", "kl_ctl", "step", "loss_batch_info"),
+}  # fmt: skip
+
+
+class OpenRLHFMismatch(RuntimeError):
+    """The installed OpenRLHF is not the one the adapter was written for."""
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def check_openrlhf() -> ModuleType:
+    """Fail in one line unless OpenRLHF is the version, and has the call signatures, the adapter was written for.
+    Returns `openrlhf.trainer.ray.ppo_actor`."""
+    try:
+        version = importlib.metadata.version("openrlhf")
+    except importlib.metadata.PackageNotFoundError:
+        raise OpenRLHFMismatch(f"OpenRLHF is not installed; this route needs openrlhf=={SUPPORTED_OPENRLHF}") from None
+    if version != SUPPORTED_OPENRLHF:
+        raise OpenRLHFMismatch(
+            f"OpenRLHF {version} is installed; the adapter was written for {SUPPORTED_OPENRLHF} "
+            f"(pip install openrlhf=={SUPPORTED_OPENRLHF}, or see docs/openrlhf.md on porting it)"
+        )
+    from entropy_openrlhf.compat import ensure_flash_attn_importable
+
+    ensure_flash_attn_importable()  # a no-op where flash-attn is installed; on CPU, OpenRLHF cannot import without it
+    import openrlhf.models.loss as loss_module
+
+    ppo_actor = importlib.import_module(PPO_ACTOR)
+    trainer = ppo_actor.ActorPPOTrainer
+    step = getattr(trainer.training_step, "__entropy_openrlhf_wrapped__", trainer.training_step)
+    found = {
+        "PolicyLoss.__init__": loss_module.PolicyLoss.__init__,
+        "PolicyLoss.forward": loss_module.PolicyLoss.forward,
+        "ActorPPOTrainer.training_step": step,
+    }
+    for name, fn in found.items():
+        params = tuple(inspect.signature(fn).parameters)
+        if params != EXPECTED_SIGNATURES[name]:
+            raise OpenRLHFMismatch(
+                f"OpenRLHF {version}'s {name} takes ({', '.join(params)}); the adapter was written for "
+                f"({', '.join(EXPECTED_SIGNATURES[name])})"
+            )
+    # the patch point: ActorPPOTrainer.__init__ must look PolicyLoss up in its module, and training_step must call
+    # the loss it built through self.actor_loss_fn
+    if "PolicyLoss" not in trainer.__init__.__code__.co_names or "actor_loss_fn" not in step.__code__.co_names:
+        raise OpenRLHFMismatch(
+            f"OpenRLHF {version}'s ActorPPOTrainer no longer builds {PPO_ACTOR}.PolicyLoss as actor_loss_fn"
+        )
+    return ppo_actor
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def build_settings(
+    name: str, params: Mapping[str, Any] | None = None, objectives: Mapping[str, Mapping[str, Any]] | None = None
+) -> tuple[Any, SimpleNamespace]:
+    """The objective's config instance and the settings of every objective (for the one its `within` points to),
+    validated; errors are ValueErrors in one line naming the flag."""
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+
+    if name not in OBJECTIVES:
+        close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"--objective {name!r}: unknown; registered: {', '.join(OBJECTIVES)}{hint}")
+    overrides = {key: dict(values) for key, values in (objectives or {}).items()}
+    overrides[name] = {**overrides.get(name, {}), **(params or {})}
+    settings = {}
+    for key, obj in OBJECTIVES.items():
+        given = overrides.pop(key, {})
+        fields = {f.name for f in dataclasses.fields(obj.config)}
+        for field in given:
+            if field not in fields:
+                flag = f"--objective.{field}" if key == name else f"--objective.{key}.{field}"
+                known = ", ".join(sorted(fields)) or "none"
+                raise ValueError(f"{flag}: objective {key!r} has no setting {field!r} (its settings: {known})")
+        settings[key] = obj.config(**given)
+    if overrides:
+        unknown = next(iter(overrides))
+        raise ValueError(f"--objective.{unknown}.*: no objective {unknown!r}; registered: {', '.join(OBJECTIVES)}")
+    loss_cfg = SimpleNamespace(type=name, **settings)
+    for key in _with_within(name, loss_cfg):
+        errors = OBJECTIVES[key].validate(getattr(loss_cfg, key), None)
+        if errors:
+            prefix = "--objective." if key == name else f"--objective.{key}."
+            raise ValueError("; ".join(e.replace(f"--loss.{key}.", prefix) for e in errors))
+    return getattr(loss_cfg, name), loss_cfg
+
+
+def _with_within(name: str, loss_cfg: SimpleNamespace) -> list[str]:
+    """`name` and the chain of objectives its `within` setting points to, each checked to exist and select."""
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+
+    chain = [name]
+    within = getattr(getattr(loss_cfg, name), "within", "")
+    while within:
+        if within not in OBJECTIVES or OBJECTIVES[within].select is None or within in chain:
+            selectors = [k for k, o in OBJECTIVES.items() if o.select is not None and k != name]
+            raise ValueError(f"--objective.within {within!r}: must name another selecting objective: {selectors}")
+        chain.append(within)
+        within = getattr(getattr(loss_cfg, within), "within", "")
+    return chain
+
+
+# --------------------------------------------------------------------------- install
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def install(
+    name: str,
+    *,
+    objectives: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int | None = None,
+    **params: Any,
+) -> type:
+    """Replace OpenRLHF's PolicyLoss by objective `name` in this process; returns the class installed.
+
+    `params` are the objective's own settings (its config dataclass fields, e.g. `ratio=2e-3`); `objectives` the
+    settings of another objective its `within` points to (`{"high_entropy": {"top_frac": 0.1}}`); `seed` fixes
+    Clip-Cov's draw (default: the seed OpenRLHF gave torch, i.e. --train.seed). Patches
+    `openrlhf.trainer.ray.ppo_actor.PolicyLoss` (read when ActorPPOTrainer is built, so call this first) and wraps
+    `ActorPPOTrainer.training_step` so that the objective's metrics reach OpenRLHF's logs. Calling it again
+    replaces the objective.
+    """
+    ppo_actor = check_openrlhf()
+    config, loss_cfg = build_settings(name, params, objectives)
+    from entropy_openrlhf.integrations.openrlhf_adapter import make_policy_loss, wrap_training_step
+
+    cls = make_policy_loss(name, config, loss_cfg, seed)
+    trainer = ppo_actor.ActorPPOTrainer
+    _ORIGINALS.setdefault("PolicyLoss", ppo_actor.PolicyLoss)
+    if not hasattr(trainer.training_step, "__entropy_openrlhf_wrapped__"):
+        _ORIGINALS["training_step"] = trainer.training_step
+        trainer.training_step = wrap_training_step(trainer.training_step)
+    ppo_actor.PolicyLoss = cls
+    return cls
+
+
+def uninstall() -> None:
+    """Put OpenRLHF's own PolicyLoss and training_step back (tests; a process that wants plain PPO again)."""
+    ppo_actor = sys.modules.get(PPO_ACTOR)
+    if ppo_actor is None:
+        return
+    if "PolicyLoss" in _ORIGINALS:
+        ppo_actor.PolicyLoss = _ORIGINALS.pop("PolicyLoss")
+    if "training_step" in _ORIGINALS:
+        ppo_actor.ActorPPOTrainer.training_step = _ORIGINALS.pop("training_step")
+
+
+# --------------------------------------------------------------------------- Ray: the worker setup hook
+
+
+def spec_json(
+    name: str,
+    params: Mapping[str, Any] | None = None,
+    objectives: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int | None = None,
+) -> str:
+    return json.dumps(
+        {"objective": name, "params": dict(params or {}), "objectives": dict(objectives or {}), "seed": seed},
+        sort_keys=True,
+    )
+
+
+def runtime_env(
+    name: str,
+    *,
+    objectives: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int | None = None,
+    base: Mapping[str, Any] | None = None,
+    **params: Any,
+) -> dict[str, Any]:
+    """A Ray runtime env (`base` plus our two entries) whose workers install objective `name`: for a launcher of
+    your own, `ray.init(runtime_env=runtime_env("kl_cov", ratio=2e-3))`. Settings are validated here, in the
+    driver, so a typo fails before any worker starts."""
+    build_settings(name, params, objectives)
+    return with_setup_hook(dict(base or {}), spec_json(name, params, objectives, seed))
+
+
+def with_setup_hook(env: dict[str, Any], spec: str) -> dict[str, Any]:
+    hook = env.get("worker_process_setup_hook")
+    if hook not in (None, SETUP_HOOK):
+        raise ValueError(
+            f"the runtime env already has a worker_process_setup_hook ({hook!r}); Ray runs one per job, and this "
+            f"route needs {SETUP_HOOK}"
+        )
+    return {**env, "worker_process_setup_hook": SETUP_HOOK, "env_vars": {**env.get("env_vars", {}), SPEC_ENV: spec}}
+
+
+class _InstallAfterExec(importlib.abc.Loader):
+    """Loader of ppo_actor that runs the real one, then install(): the module is patched before anyone can read
+    its PolicyLoss."""
+
+    def __init__(self, loader: importlib.abc.Loader, spec: dict[str, Any]) -> None:
+        self._loader = loader
+        self._spec = spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        # the module is in sys.modules already (the import system put it there before exec), which install() needs
+        _install_spec(self._spec)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: inspect and linecache use them
+        return getattr(self._loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Waits for OpenRLHF's own import of ppo_actor, then patches it (see setup_worker)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None):
+        if fullname != PPO_ACTOR:
+            return None
+        sys.meta_path.remove(self)  # once: the real finders locate the module below, and a reload is not ours
+        found = importlib.util.find_spec(fullname)
+        if found is None or found.loader is None:
+            return found
+        found.loader = _InstallAfterExec(found.loader, self.spec)
+        return found
+
+
+def _install_spec(spec: Mapping[str, Any]) -> type:
+    return install(spec["objective"], objectives=spec.get("objectives"), seed=spec.get("seed"), **spec["params"])
+
+
+def setup_worker() -> None:
+    """Ray's worker_process_setup_hook: in every worker process of the job, install the objective named by
+    $ENTROPY_OPENRLHF_OBJECTIVE once OpenRLHF imports ppo_actor.
+
+    Not before: importing ppo_actor here would import DeepSpeed (and, through openrlhf.trainer.ray, vLLM) into
+    every worker, vLLM's engines included, which OpenRLHF keeps apart on purpose ("no implicit imports of deepspeed
+    here to avoid vllm environment gets contaminated"). The policy actors import it when Ray loads their class,
+    and that import finds the module already patched.
+    """
+    raw = os.environ.get(SPEC_ENV)
+    if not raw:
+        return
+    spec = json.loads(raw)
+    from entropy_openrlhf.compat import ensure_flash_attn_importable
+
+    ensure_flash_attn_importable()  # no-op with flash-attn installed; lets OpenRLHF import on CPU workers
+    if PPO_ACTOR in sys.modules:
+        _install_spec(spec)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(spec))
+
+
+@contextlib.contextmanager
+def hook_into_ray_init(spec: str) -> Iterator[list[dict[str, Any]]]:
+    """While OpenRLHF's train() runs, its `ray.init(runtime_env=...)` also carries our setup hook and spec; the
+    yielded list collects the runtime envs it was called with."""
+    import ray
+
+    original = ray.init
+    calls: list[dict[str, Any]] = []
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any):
+        kwargs["runtime_env"] = with_setup_hook(dict(kwargs.get("runtime_env") or {}), spec)
+        calls.append(kwargs["runtime_env"])
+        result = original(*args, **kwargs)
+        env = ray.get_runtime_context().runtime_env.get("env_vars", {})
+        if env.get(SPEC_ENV) != spec:  # e.g. a Ray that was already initialised ignores runtime_env
+            raise RuntimeError("Ray started without the objective's setup hook: the workers would train plain PPO")
+        return result
+
+    ray.init = init
+    try:
+        yield calls
+    finally:
+        ray.init = original
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@dataclasses.dataclass
+class ObjectiveArgs:
+    name: str | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    objectives: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    help: bool = False
+
+
+def _typed(name: str, field: str, value: str) -> Any:
+    """A flag's text as the type of the objective's field default."""
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+
+    if name not in OBJECTIVES:
+        return value
+    fields = {f.name: f for f in dataclasses.fields(OBJECTIVES[name].config)}
+    if field not in fields:
+        return value  # build_settings names the unknown field
+    default = fields[field].default
+    try:
+        if isinstance(default, bool):
+            low = value.lower()
+            if low not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError
+            return low in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+    except ValueError:
+        flag = f"--objective.{field}"
+        raise ValueError(f"{flag}: expected {type(default).__name__}, got {value!r}") from None
+    return value
+
+
+def split_argv(argv: Sequence[str]) -> tuple[ObjectiveArgs, list[str]]:
+    """Our --objective flags, and everything else in its order for train_ppo_ray."""
+    ours, rest = ObjectiveArgs(), []
+    raw: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            ours.help = True
+        if arg == "--objective" or arg.startswith(("--objective=", "--objective.")):
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"--{key}: expected a value")
+                value = argv[i + 1]
+                i += 1
+            raw.append((key, value))
+        else:
+            rest.append(arg)
+        i += 1
+    for key, value in raw:
+        if key == "objective":
+            ours.name = value
+    for key, value in raw:
+        parts = key.split(".")[1:]
+        if len(parts) == 1:
+            ours.params[parts[0]] = _typed(ours.name or "", parts[0], value)
+        elif len(parts) == 2:
+            ours.objectives.setdefault(parts[0], {})[parts[1]] = _typed(parts[0], parts[1], value)
+        elif parts:
+            raise ValueError(f"--{key}: expected --objective.FIELD or --objective.OBJECTIVE.FIELD")
+    return ours, rest
+
+
+def objectives_help() -> str:
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+
+    lines = [
+        "usage: python -m entropy_openrlhf.integrations.openrlhf --objective NAME [--objective.FIELD VALUE ...] "
+        "[train_ppo_ray flags]",
+        "",
+        "Runs OpenRLHF's train_ppo_ray with its PolicyLoss replaced by one of our objectives (docs/openrlhf.md).",
+        "",
+        "objectives and their --objective.FIELD settings:",
+    ]
+    for name, obj in OBJECTIVES.items():
+        lines.append(f"  {name}: {obj.summary}")
+        for f in dataclasses.fields(obj.config):
+            lines.append(f"      --objective.{f.name} [{f.default}]  {f.metadata.get('help', '')}")
+    lines += [
+        "  a `within` target's own settings: --objective.OBJECTIVE.FIELD (e.g. --objective.high_entropy.top_frac 0.1)",
+        "",
+        "OpenRLHF's train_ppo_ray flags follow.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _openrlhf_notes(name: str, rest: Sequence[str]) -> list[str]:
+    """Warnings about OpenRLHF settings that defeat the objective (the objectives' own notes name our flags)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--actor.policy_loss_type", dest="policy_loss_type", default="ppo")
+    p.add_argument("--actor.eps_clip", dest="eps_clip", type=float, default=0.2)
+    p.add_argument("--actor.eps_clip_low_high", dest="eps_clip_low_high", type=float, nargs=2, default=None)
+    p.add_argument("--train.max_epochs", dest="max_epochs", type=int, default=1)
+    p.add_argument("--train.batch_size", dest="train_batch", type=int, default=128)
+    p.add_argument("--rollout.batch_size", dest="rollout_batch", type=int, default=1024)
+    p.add_argument("--rollout.n_samples_per_prompt", dest="n_samples", type=int, default=1)
+    try:
+        args, _ = p.parse_known_args(list(rest))
+    except SystemExit:  # a malformed value: train_ppo_ray's own parser reports it
+        return []
+    if args.policy_loss_type != "ppo":
+        raise ValueError(
+            f"--actor.policy_loss_type {args.policy_loss_type}: --objective {name} replaces OpenRLHF's policy loss; "
+            "drop the flag (for GSPO use --objective gspo)"
+        )
+    notes = []
+    steps = args.max_epochs * args.rollout_batch * args.n_samples // max(args.train_batch, 1)
+    if name == "kl_cov" and steps <= 1:
+        notes.append(
+            "KL-Cov with one optimizer step per rollout batch acts as plain policy gradient (|logp - old_logp| = 0 "
+            "on-policy): make --train.batch_size smaller than --rollout.batch_size x --rollout.n_samples_per_prompt "
+            "(the paper: 8 steps)"
+        )
+    clip = tuple(args.eps_clip_low_high or (args.eps_clip, args.eps_clip))
+    if name == "clip_cov" and clip != (1.0, 1.0):
+        notes.append("the paper's Clip-Cov widens the PPO clip to 1: --actor.eps_clip_low_high 1 1")
+    return notes
+
+
+def main(argv: Sequence[str] | None = None, *, train_module: str = TRAIN_MODULE) -> int:
+    """The command line; `train_module` is the module run as __main__ with the remaining flags (tests put a
+    stand-in for OpenRLHF's GPU-only train_ppo_ray there)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ours, rest = split_argv(argv)
+        if ours.help:
+            print(objectives_help())
+        else:
+            if not ours.name:
+                raise ValueError("--objective NAME is required (--help lists the objectives)")
+            check_openrlhf()
+            build_settings(ours.name, ours.params, ours.objectives)
+            for note in _openrlhf_notes(ours.name, rest):
+                print(f"note: {note}", file=sys.stderr)
+    except (ValueError, OpenRLHFMismatch) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = spec_json(ours.name or "", ours.params, ours.objectives)
+    saved_argv = sys.argv
+    sys.argv = [train_module, *rest]
+    try:
+        with hook_into_ray_init(spec) if not ours.help else contextlib.nullcontext():
+            runpy.run_module(train_module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # argparse's --help and errors, or a sys.exit in train_ppo_ray
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+    return 0
+
+
+if __name__ == "__main__":
+    # run the package's copy of this module, not this __main__ one, so that the hook and install() share its state
+    from entropy_openrlhf.integrations import openrlhf as _module
+
+    sys.exit(_module.main())
