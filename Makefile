@@ -14,6 +14,9 @@ export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
+# DeepSpeed's CPU ops are compiled on first use into this folder. Per checkout: two checkouts sharing the default
+# ~/.cache folder rebuild each other's build (its hash includes the venv's path), 30 s or more at every start.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.venv/torch_extensions
 
 .PHONY: setup test test-unit lint format
 

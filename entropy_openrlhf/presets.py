@@ -1,23 +1,24 @@
 """Named presets: `--preset NAME` on any pipeline, applied after the pipeline's own defaults and before flags.
 
-`required_resources(cfg)` is what a config reserves on a Ray cluster; `python -m entropy_openrlhf.presets` prints
-the table of docs/cluster.md from it.
+Data only, as dotted flag names and values (config.py applies them), so that config.py can import it.
+`entropy_openrlhf.resources` says what a preset reserves on a Ray cluster.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
-
-from entropy_openrlhf.config import Config, set_by_path
 
 # Loss settings of each pipeline (docs/losses.md, "The paper's recipe in the presets"). The PPO clip does nothing
 # to KL-Cov's loss (unclipped by design, docs/losses.md "KL-Cov"), so kl_cov leaves it alone.
 PIPELINES: dict[str, dict[str, Any]] = {
     "grpo": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.2},
-    "clip_higher": {"loss.type": "clip_higher", "loss.clip_low": 0.2, "loss.clip_high": 0.28},
+    "clip_higher": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.28},  # DAPO's clip-higher
     "clip_cov": {"loss.type": "clip_cov", "loss.clip_low": 1.0, "loss.clip_high": 1.0},
     "kl_cov": {"loss.type": "kl_cov"},
+    # The newer objectives, each at its own paper's defaults (docs/losses.md). The 80/20 method keeps PPO's clip.
+    "high_entropy": {"loss.type": "high_entropy"},
+    "cispo": {"loss.type": "cispo"},
+    "gspo": {"loss.type": "gspo"},
 }
 
 # The paper's recipe (docs/losses.md; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
@@ -166,66 +167,3 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.max_num_seqs": 256,
     },
 }
-
-
-def apply_preset(cfg: Config, name: str) -> None:
-    if name not in PRESETS:
-        raise ValueError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
-    for key, value in PRESETS[name].items():
-        set_by_path(cfg, key, value)
-
-
-# --------------------------------------------------------------------------- resources
-
-
-def group_resources(cfg: Config) -> dict[str, dict[str, float]]:
-    """The Ray actors of each group and the CPUs/GPUs they reserve in all. The groups never share a GPU (each is
-    its own placement group or actor), and the driver itself reserves nothing."""
-    r, a, w, ref = cfg.rollout, cfg.actor, cfg.reward, cfg.ref
-    groups = {
-        "rollout": {"actors": r.num_engines, "GPU": r.num_engines * r.num_gpus_per_engine,
-                    "CPU": r.num_engines * r.num_cpus_per_engine},
-        "policy": {"actors": a.num_workers, "GPU": a.num_workers * a.num_gpus_per_worker,
-                   "CPU": a.num_workers * a.num_cpus_per_worker},
-        "reward": {"actors": w.num_workers, "GPU": 0.0, "CPU": w.num_workers * w.num_cpus_per_worker},
-    }  # fmt: skip
-    if ref.enabled:
-        groups["reference"] = {"actors": 1, "GPU": ref.num_gpus, "CPU": ref.num_cpus}
-    return groups
-
-
-def required_resources(cfg: Config) -> dict[str, float]:
-    """{"GPU": n, "CPU": m}: what a run of `cfg` reserves on the Ray cluster, summed over its actor groups."""
-    groups = group_resources(cfg).values()
-    return {"GPU": sum(g["GPU"] for g in groups), "CPU": sum(g["CPU"] for g in groups)}
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def resource_table(names: list[str], pipeline: str = "kl_cov") -> str:
-    """A markdown table of what each named preset allocates (docs/cluster.md holds its output)."""
-    lines = [
-        "| preset | vLLM engines x TP | GPUs per engine | rollout GPUs | trainer ranks x GPUs | trainer GPUs "
-        "| reference | GPUs in all | CPUs in all |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name in names:
-        cfg = Config()
-        for key, value in PIPELINES[pipeline].items():
-            set_by_path(cfg, key, value)
-        apply_preset(cfg, name)
-        g, total = group_resources(cfg), required_resources(cfg)
-        ref = f"on, {_num(g['reference']['GPU'])} GPU" if "reference" in g else "off"
-        lines.append(
-            f"| `{name}` | {cfg.rollout.num_engines} x {cfg.rollout.tensor_parallel_size} "
-            f"| {_num(cfg.rollout.num_gpus_per_engine)} | {_num(g['rollout']['GPU'])} "
-            f"| {cfg.actor.num_workers} x {_num(cfg.actor.num_gpus_per_worker)} | {_num(g['policy']['GPU'])} "
-            f"| {ref} | **{_num(total['GPU'])}** | {_num(total['CPU'])} |"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(resource_table(sys.argv[1:] or list(PRESETS)))

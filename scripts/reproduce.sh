@@ -6,6 +6,7 @@
 #   bash scripts/reproduce.sh                         # all four methods, one after the other
 #   METHODS="grpo kl_cov" bash scripts/reproduce.sh   # a subset
 #   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
+#   METHODS=kl_cov_target bash scripts/reproduce.sh   # KL-Cov under entropy control (docs/entropy_control.md)
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<method>.
 # A method whose run finished (its final model exists) is skipped, so the four hours can be spread over several
@@ -20,6 +21,12 @@ METHODS=${METHODS:-grpo clip_higher clip_cov kl_cov}
 COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_batches 4
     --eval.every 5 --eval.max_samples 64 --async.max_staleness 1 --logger.sample_table_every 0)
 
+# Runs that are not a pipeline of their own: the pipeline they run and their own flags.
+# kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
+# where every method starts on this task (0.68 at step 0) and where the fixed-ratio KL-Cov run swung through.
+declare -A PIPELINE=([kl_cov_target]=kl_cov)
+declare -A EXTRA=([kl_cov_target]="--entropy.target 0.5,0.8")
+
 mkdir -p "$OUT"
 for method in $METHODS; do
     if [[ -d "$OUT/$method/final" && -z "${REPRO_FORCE:-}" ]]; then
@@ -29,8 +36,9 @@ for method in $METHODS; do
     rm -rf "${OUT:?}/$method"
     echo "== $method: $(date -u +%H:%M:%S)"
     start=$(date +%s)
-    .venv/bin/python "pipelines/$method.py" --train.output_dir "$OUT/$method" --logger.run_name "repro-$method" \
-        "${COMMON[@]}" "$@" 2>&1 | tee "$OUT/$method.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
+    # shellcheck disable=SC2086  # EXTRA holds several flags
+    .venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$method" \
+        --logger.run_name "repro-$method" "${COMMON[@]}" ${EXTRA[$method]:-} "$@" 2>&1 | tee "$OUT/$method.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
     echo "== $method took $(( $(date +%s) - start )) s"
     # the per-step metrics, kept beside the plots so they can be redrawn once outputs/ is gone
     mkdir -p "$PLOTS/runs/$method"
@@ -38,8 +46,16 @@ for method in $METHODS; do
 done
 
 # Every method measured so far, not just this call's: the runs can be spread over several sittings.
-specs=()
-for method in $(printf "%s\n" grpo clip_higher clip_cov kl_cov $METHODS | awk '!seen[$0]++'); do
-    if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
-done
-.venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix arith_ | tee "$OUT/results.txt"
+plot() {  # plot PREFIX METHOD...: the plots and table of those runs that exist
+    local prefix=$1 specs=() method
+    shift
+    for method in "$@"; do
+        if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
+    done
+    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix "$prefix"
+}
+plot arith_ grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
+# entropy control against its two baselines (docs/results.md, "Entropy control")
+if [[ -f "$PLOTS/runs/kl_cov_target/metrics.jsonl" ]]; then
+    plot ctl_ grpo kl_cov kl_cov_target | tee "$OUT/results_control.txt"
+fi

@@ -3,15 +3,21 @@
 One RL step on a rank's shard of the rollout batch:
 1. recompute the old log-probs (and token entropies) with the current weights, no grad;
 2. split the shard into `train.mini_batches` optimizer steps, each into micro-batches;
-3. per micro-batch: forward, the configured loss (PPO / clip-higher / Clip-Cov / KL-Cov), backward; one optimizer
+3. per micro-batch: forward, the objective `--loss.type` names (algorithms/objectives/: its token selection, then
+   its loss), backward; one optimizer
    step per mini-batch, with the loss normalised over the whole mini-batch on all ranks so that micro-batching and
    sharding do not change it.
 CPU machines use gloo and torch's AdamW (DeepSpeed's CPU optimizers need a minute of JIT builds); GPU clusters
 use NCCL. Nothing else differs.
+
+DeepSpeed, transformers' model classes and OpenRLHF's helpers (through actors/forward.py) are imported inside the
+actor's methods ("actor-only imports"): the driver imports this module for PolicyGroup and would otherwise load
+them for nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -23,7 +29,21 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from entropy_openrlhf.actors.weight_chunks import ExportedWeights
+from entropy_openrlhf.actors.weight_sync import WeightSender
+from entropy_openrlhf.algorithms.losses import aggregate
+from entropy_openrlhf.algorithms.metrics import entropy_stats
+from entropy_openrlhf.algorithms.objectives import (
+    LossContext,
+    TokenBatch,
+    get_objective,
+    objective_needs_entropy,
+    select_tokens,
+)
+from entropy_openrlhf.algorithms.selection import pooled_selection
 from entropy_openrlhf.cluster import set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.models.dtype import resolve_dtype
@@ -91,7 +111,7 @@ class PolicyActor:
             raise RuntimeError(f"policy rank {rank}: {error}")
         if self.cuda:
             torch.cuda.set_device(device_index)  # before NCCL starts: its communicator binds the current device
-        import deepspeed
+        import deepspeed  # actor-only imports (module docstring)
         from transformers import AutoModelForCausalLM
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -136,7 +156,7 @@ class PolicyActor:
                 f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
                 f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
             )
-        from entropy_openrlhf.actors.forward import use_shared_prefix
+        from entropy_openrlhf.actors.forward import use_shared_prefix  # actor-only imports (module docstring)
 
         use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it; each batch brings its layout
         if cfg.actor.gradient_checkpointing:
@@ -162,7 +182,7 @@ class PolicyActor:
         )
 
     def _seq_batch(self, prompt_ids: list[list[int]], response_ids: list[list[int]]):
-        from entropy_openrlhf.actors.forward import make_seq_batch
+        from entropy_openrlhf.actors.forward import make_seq_batch  # actor-only imports (module docstring)
 
         return make_seq_batch(
             prompt_ids, response_ids, self.pad_id, shared_prefix=self.cfg.train.shared_prefix,
@@ -170,15 +190,15 @@ class PolicyActor:
         )  # fmt: skip
 
     def _grid(self, values, batch, samples):
-        from entropy_openrlhf.actors.forward import to_token_grid
+        from entropy_openrlhf.actors.forward import to_token_grid  # actor-only imports (module docstring)
 
         return to_token_grid(values, batch, [len(s.prompt_ids) for s in samples]).to(batch.mask.device)
 
-    def _all_reduce_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
+    def _all_reduce_sum(self, *values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
         if self.world_size > 1:
             torch.distributed.all_reduce(t)
-        return float(t.item())
+        return t.tolist()
 
     def _generator(self, step: int, mini: int, micro: int) -> torch.Generator:
         # micro_batch scope: a different draw per rank; global scope: all ranks draw the same (they must agree).
@@ -186,33 +206,24 @@ class PolicyActor:
         seed = (self.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
         return torch.Generator().manual_seed(seed)
 
-    def _loss(self, log_probs, old, adv, mask, *, selected, cov_means, generator, normalizer, is_weights):
-        from entropy_openrlhf.algorithms.losses import clip_cov_loss, kl_cov_loss, ppo_loss
-
+    def _pooled_selector(self, params, base: LossContext, generator: torch.Generator):
+        """The objective's selection over tokens pooled from a whole mini-batch (`pooled_selection`'s callback)."""
         lc = self.cfg.loss
-        common = dict(agg=lc.agg, normalizer=normalizer, dp_size=self.world_size, is_weights=is_weights)
-        if lc.type in ("ppo", "clip_higher"):
-            return ppo_loss(
-                log_probs, old, adv, mask, clip_low=lc.clip_low, clip_high=lc.clip_high,
-                dual_clip=lc.dual_clip or None, **common,
-            )  # fmt: skip
-        if lc.type == "clip_cov":
-            return clip_cov_loss(
-                log_probs, old, adv, mask, ratio=lc.clip_cov.ratio, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub,
-                clip_low=lc.clip_low, clip_high=lc.clip_high, generator=generator, selected=selected,
-                cov_means=cov_means, **common,
-            )  # fmt: skip
-        return kl_cov_loss(
-            log_probs, old, adv, mask, ratio=lc.kl_cov.ratio, coef=lc.kl_cov.coef, selected=selected,
-            cov_means=cov_means, **common,
-        )  # fmt: skip
+
+        def select(tokens: TokenBatch, means: tuple[float, float]):
+            ctx = dataclasses.replace(base, cov_means=means, generator=generator)
+            return select_tokens(lc.type, params, lc, tokens, ctx)
+
+        return select
 
     # ------------------------------------------------------------------ the RL step
 
-    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], step: int, strength_scale: float = 1.0) -> dict[str, float]:
+        """One RL step on this rank's shard. `strength_scale` multiplies the objective's controlled knob
+        (--entropy.target; 1 = as configured)."""
+        from openrlhf.models.utils import compute_approx_kl  # actor-only imports (module docstring)
+
         from entropy_openrlhf.actors.forward import forward_log_probs
-        from entropy_openrlhf.algorithms.metrics import entropy_stats
-        from entropy_openrlhf.algorithms.selection import MicroBatch, global_selection
 
         cfg, t0 = self.cfg, time.time()
         mbs, n_mini = cfg.actor.micro_batch_size, cfg.train.mini_batches
@@ -258,8 +269,6 @@ class PolicyActor:
         has_ref = all(s.ref_log_probs is not None for s in samples)
         ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
         if ref_lp is not None:
-            from openrlhf.models.utils import compute_approx_kl
-
             for b, lp, rf in zip(batches, old_lp, ref_lp):
                 n = int(b.mask.sum())
                 if n:
@@ -277,48 +286,59 @@ class PolicyActor:
                     add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
                     add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
 
-        # 2. optimizer steps
+        # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
+        lc = cfg.loss
+        objective = get_objective(lc.type)
+        params = objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob)
+        needs_entropy = objective_needs_entropy(lc.type, lc)
+        select_globally = lc.scope == "global" and objective.select is not None
         self.engine.train()
         skipped = 0
         for mini in range(n_mini):
             idx = list(range(mini * micro_per_mini, (mini + 1) * micro_per_mini))
             local_tokens = sum(float(batches[i].mask.sum()) for i in idx)
             local_seqs = sum(float((batches[i].mask.sum(-1) > 0).sum()) for i in idx)
-            normalizer = self._all_reduce_sum(local_tokens if cfg.loss.agg == "token_mean" else local_seqs)
-
-            selections = {i: None for i in idx}
-            cov_means = None
-            if cfg.loss.scope == "global" and cfg.loss.type in ("clip_cov", "kl_cov"):
-                if mini == 0:
-                    current = [old_lp[i] for i in idx]  # the weights have not moved yet this step
+            tokens, sequences = self._all_reduce_sum(local_tokens, local_seqs)
+            base = LossContext(
+                clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
+                tokens=tokens, sequences=sequences, dp_size=self.world_size, micro_batches=micro_per_mini,
+            )  # fmt: skip
+            selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
+            if select_globally:
+                if mini == 0:  # the weights have not moved yet this step: the old pass's values are current
+                    current = [(old_lp[i], entropies[i]) for i in idx]
                 else:
                     with torch.no_grad():
-                        current = [forward_log_probs(self.engine, batches[i])[0].float() for i in idx]
-                mbs_sel = [MicroBatch(c, old_lp[i], adv[i], batches[i].mask) for c, i in zip(current, idx)]
-                lc = cfg.loss
-                masks, cov_means = global_selection(
-                    mbs_sel, lc.type, ratio=lc.clip_cov.ratio if lc.type == "clip_cov" else lc.kl_cov.ratio,
-                    cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub, clip_low=lc.clip_low, clip_high=lc.clip_high,
-                    generator=self._generator(step, mini, 0),
-                )  # fmt: skip
+                        current = [forward_log_probs(self.engine, batches[i], with_entropy=needs_entropy) for i in idx]
+                pooled = [
+                    TokenBatch(lp.float(), old_lp[i], adv[i], batches[i].mask, entropy=ent)
+                    for (lp, ent), i in zip(current, idx)
+                ]
+                select = self._pooled_selector(params, base, self._generator(step, mini, 0))
+                masks, cov_means, total, selection_metrics = pooled_selection(
+                    pooled, select, with_entropy=needs_entropy
+                )
                 selections = dict(zip(idx, masks))
+                base = dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))
+                for k, v in selection_metrics.items():
+                    add(k, v)
 
             for j, i in enumerate(idx):
                 b = batches[i]
-                lp, _ = forward_log_probs(self.engine, b)
-                out = self._loss(
-                    lp, old_lp[i], adv[i], b.mask, selected=selections[i], cov_means=cov_means,
-                    generator=self._generator(step, mini, j), normalizer=normalizer,
-                    is_weights=None if is_weights is None else is_weights[i],
-                )  # fmt: skip
+                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy)
+                batch = TokenBatch(
+                    lp, old_lp[i], adv[i], b.mask, entropy=ent, is_weights=None if is_weights is None else is_weights[i]
+                )
+                ctx = dataclasses.replace(base, generator=self._generator(step, mini, j), selected=selections[i])
+                if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
+                    ctx.selected, selection_metrics = select_tokens(lc.type, params, lc, batch, ctx)
+                    for k, v in selection_metrics.items():
+                        add(k, v)
+                out = objective.loss(batch, params, ctx)
                 loss = out.loss
                 if cfg.algo.kl_coef > 0 and ref_lp is not None:
-                    from openrlhf.models.utils import compute_approx_kl
-
-                    from entropy_openrlhf.algorithms.losses import aggregate
-
                     kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
-                    loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, cfg.loss.agg, normalizer, self.world_size)
+                    loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, lc.agg, base.normalizer, self.world_size)
                 # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
                 self.engine.backward(loss, scale_wrt_gas=False)
                 self.engine.step()
@@ -346,7 +366,7 @@ class PolicyActor:
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards)."""
-        import deepspeed
+        import deepspeed  # actor-only imports (module docstring)
 
         # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU
         state = {}
@@ -360,8 +380,6 @@ class PolicyActor:
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
         """Every rank: prepare to send. Rank 0 also hosts the group's store and returns its SyncEndpoint."""
-        from entropy_openrlhf.actors.weight_sync import WeightSender
-
         if getattr(self, "weight_sender", None) is not None:
             self.weight_sender.close()
         self.weight_sender = WeightSender(self.engine.module, rank=self.rank, zero3=self.cfg.actor.zero_stage == 3)
@@ -414,7 +432,7 @@ class PolicyActor:
 
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
-        from entropy_openrlhf.actors.forward import forward_log_probs
+        from entropy_openrlhf.actors.forward import forward_log_probs  # actor-only imports (module docstring)
 
         b = self._seq_batch(prompt_ids, response_ids).to(self.engine.device)
         self.engine.eval()
@@ -480,7 +498,7 @@ def _private_host_bytes() -> int:
 def copy_tokenizer_and_generation_config(source: str, target: str) -> None:
     """What `save_pretrained` of a model leaves out: the tokenizer files (chat template included) and the
     generation config (eos ids, sampling defaults), taken from the model the run started from."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig  # actor-only imports (module docstring)
 
     AutoTokenizer.from_pretrained(source).save_pretrained(target)
     try:
@@ -494,9 +512,6 @@ class PolicyGroup:
 
     def __init__(self, cfg: Config, model_path: str, local: bool = True):
         """`local`: the driver started this Ray itself (everything on 127.0.0.1)."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.cfg, self.model_path = cfg, model_path
         self._submit = threading.Lock()  # see _on_all_ranks
         n = cfg.actor.num_workers
@@ -551,7 +566,8 @@ class PolicyGroup:
         with self._submit:
             return [getattr(a, method).remote(*args) for a in self.actors]
 
-    def train_step(self, samples: list[TrainSample], step: int) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], step: int, strength_scale: float = 1.0) -> dict[str, float]:
+        """One RL step on all ranks; `strength_scale` is the entropy controller's (PolicyActor.train_step)."""
         # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
         n, n_mini = len(self.actors), self.cfg.train.mini_batches
         per_mini = len(samples) // n_mini
@@ -561,7 +577,7 @@ class PolicyGroup:
             for r in range(n)
         ]
         with self._submit:
-            refs = [a.train_step.remote(s, step) for a, s in zip(self.actors, shards)]
+            refs = [a.train_step.remote(s, step, strength_scale) for a, s in zip(self.actors, shards)]
         results = ray.get(refs)
         merged = {k: (max if k in MAX_METRICS else _mean)([r[k] for r in results if k in r]) for k in results[0]}
         merged["loss/policy"] = sum(r["loss/policy"] for r in results)
@@ -571,8 +587,6 @@ class PolicyGroup:
     def export_weights(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
         """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync. With
         `timeout_s`, raises TimeoutError naming the policy when the ranks have not answered by then."""
-        from entropy_openrlhf.actors.weight_chunks import ExportedWeights
-
         try:
             state = ray.get(self._on_all_ranks("export_weights"), timeout=timeout_s)[0]
         except ray.exceptions.GetTimeoutError:

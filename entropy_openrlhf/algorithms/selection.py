@@ -7,12 +7,13 @@ the means and the selection are computed once over all of them, and each micro-b
 `selected=` mask of `clip_cov_loss` / `kl_cov_loss`.
 
 Every rank computes the same selection from the same gathered values; for Clip-Cov's random draw that needs the
-same generator seed on every rank (the trainer seeds it by step, not by rank, in this scope).
+same generator seed on every rank (the trainer seeds it by step, not by rank, in this scope). Any objective with a
+selector (the covariance ones, the high-entropy one) selects this way through `pooled_selection`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from entropy_openrlhf.algorithms.losses import clip_cov_select, kl_cov_select
+from entropy_openrlhf.algorithms.objectives import TokenBatch
 
 
 @dataclass
@@ -58,6 +60,47 @@ def _gather_rows(local: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
     return torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1).cpu(), offset
 
 
+def pooled_selection(
+    micro_batches: Sequence[MicroBatch | TokenBatch],
+    select: Callable[[TokenBatch, tuple[float, float]], tuple[torch.Tensor, dict[str, float]]],
+    *,
+    with_entropy: bool = False,
+    group=None,
+) -> tuple[list[torch.Tensor], tuple[float, float], int, dict[str, float]]:
+    """Run `select` once over all valid tokens of `micro_batches` on all ranks of `group`.
+
+    `select(pooled, means)` gets every valid token as a (1, N) TokenBatch (entropy included when `with_entropy`)
+    and the pooled (advantage mean, log-prob mean); it returns a (1, N) bool mask and metrics. Returns one mask per
+    micro-batch (its shape), the means (the losses take them as `cov_means=` so their covariance metrics use the
+    same centring), the number of tokens selected on all ranks, and the metrics.
+    """
+    valids = [mb.mask.bool() for mb in micro_batches]
+    pairs = list(zip(micro_batches, valids, strict=True))
+    names = ["log_probs", "old_log_probs", "advantages"] + (["entropy"] if with_entropy else [])
+    # rows: one per input, every valid token in micro-batch then row-major order
+    local = torch.stack(
+        [torch.cat([getattr(mb, name).detach().float().cpu()[v.cpu()] for mb, v in pairs]) for name in names]
+    )
+    n_local = local.shape[1]
+    everything, offset = _gather_rows(local, group)
+    rows = [everything[i : i + 1] for i in range(len(names))]
+    n = rows[0].numel()
+    means = (float(rows[2].mean()), float(rows[0].mean())) if n else (0.0, 0.0)
+    pooled = TokenBatch(rows[0], rows[1], rows[2], torch.ones_like(rows[0], dtype=torch.bool),
+                        entropy=rows[3] if with_entropy else None)  # fmt: skip
+    chosen, metrics = select(pooled, means)
+
+    mine = chosen.view(-1)[offset : offset + n_local]
+    masks, start = [], 0
+    for mb, v in pairs:
+        count = int(v.sum())
+        sel = torch.zeros(v.shape, dtype=torch.bool)
+        sel[v.cpu()] = mine[start : start + count]
+        masks.append(sel.to(mb.mask.device))
+        start += count
+    return masks, means, int(chosen.sum()), metrics
+
+
 def global_selection(
     micro_batches: Sequence[MicroBatch],
     method: Literal["clip_cov", "kl_cov"],
@@ -70,42 +113,23 @@ def global_selection(
     generator: torch.Generator | None = None,
     group=None,
 ) -> tuple[list[torch.Tensor], tuple[float, float]]:
-    """Select over all valid tokens of `micro_batches` on all ranks of `group`.
+    """Clip-Cov's or KL-Cov's selection over all valid tokens of `micro_batches` on all ranks of `group`, with the
+    plain selection functions. Returns one bool mask per micro-batch and the global (advantage mean, log-prob mean).
+    (The trainer selects through the objectives registry with `pooled_selection`; this is the same rule for users
+    of the plain functions, and the reference the trainer's update is tested against.)"""
 
-    Returns one bool mask per micro-batch (its shape) and the global (advantage mean, log-prob mean), which the
-    losses take as `cov_means=` so their covariance metrics use the same centring.
-    """
-    valids = [mb.mask.bool() for mb in micro_batches]
-    pairs = list(zip(micro_batches, valids, strict=True))
-    # rows: current log-prob, old log-prob, advantage of every valid token, in micro-batch then row-major order
-    local = torch.stack(
-        [
-            torch.cat([getattr(mb, name).detach().float().cpu()[v.cpu()] for mb, v in pairs])
-            for name in ("log_probs", "old_log_probs", "advantages")
-        ]
-    )
-    n_local = local.shape[1]
-    everything, offset = _gather_rows(local, group)
-    lp, old, adv = everything[0:1], everything[1:2], everything[2:3]
-    all_valid = torch.ones_like(lp, dtype=torch.bool)
-    n = lp.numel()
-    means = (float(adv.mean()), float(lp.mean())) if n else (0.0, 0.0)
-    if method == "clip_cov":
-        chosen = clip_cov_select(
-            lp, old, adv, all_valid, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
-            clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=means,
-        )  # fmt: skip
-    elif method == "kl_cov":
-        chosen = kl_cov_select(lp, adv, all_valid, ratio=ratio, cov_means=means)
-    else:
-        raise ValueError(f"unknown selection method {method!r}; expected 'clip_cov' or 'kl_cov'")
+    def select(pooled: TokenBatch, means: tuple[float, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        lp, old, adv, valid = pooled.log_probs, pooled.old_log_probs, pooled.advantages, pooled.mask
+        if method == "clip_cov":
+            chosen = clip_cov_select(
+                lp, old, adv, valid, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
+                clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=means,
+            )  # fmt: skip
+        elif method == "kl_cov":
+            chosen = kl_cov_select(lp, adv, valid, ratio=ratio, cov_means=means)
+        else:
+            raise ValueError(f"unknown selection method {method!r}; expected 'clip_cov' or 'kl_cov'")
+        return chosen, {}
 
-    mine = chosen.view(-1)[offset : offset + n_local]
-    masks, start = [], 0
-    for mb, v in pairs:
-        count = int(v.sum())
-        sel = torch.zeros(v.shape, dtype=torch.bool)
-        sel[v.cpu()] = mine[start : start + count]
-        masks.append(sel.to(mb.mask.device))
-        start += count
+    masks, means, _, _ = pooled_selection(micro_batches, select, group=group)
     return masks, means

@@ -37,6 +37,7 @@ from entropy_openrlhf.actors.reward import RewardGroup
 from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.actors.weight_sync import resolve_method
 from entropy_openrlhf.algorithms.advantages import compute_advantages
+from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.pipeline.evaluation import evaluate
@@ -103,6 +104,8 @@ class Trainer:
         self.sync_method = resolve_method(cfg.sync.method, on_gpus=on_gpus)
         self.engine_lock = threading.Lock()
         self.sync_metrics: dict[str, float] = {}  # the last collective sync's timings, logged with its step
+        # --entropy.target: scales the objective's knob from each batch's entropy (scale 1 when off)
+        self.entropy_ctl = EntropyController(cfg.entropy)
 
     # ------------------------------------------------------------------ actor groups
 
@@ -318,7 +321,7 @@ class Trainer:
                 waited = time.time() - t_step
                 flat = [s for g in batch.groups for s in g]
                 t0 = time.time()
-                train_metrics = self.policy.train_step(self._train_samples(batch), step)
+                train_metrics = self.policy.train_step(self._train_samples(batch), step, self.entropy_ctl.scale)
                 t_train = time.time() - t0
                 export_s = self.publish_weights(step + 1)
                 metrics = {**batch.metrics, **train_metrics}
@@ -340,6 +343,9 @@ class Trainer:
                     }
                 )
                 metrics.update(self.sync_metrics)  # collective sync: measured here, not by the producer
+                if self.entropy_ctl.enabled:  # this batch's entropy sets the scale of the next step
+                    self.entropy_ctl.update(train_metrics.get("entropy/seq_mean", math.nan))
+                    metrics.update(self.entropy_ctl.metrics())
                 for version, result in self.eval_results:
                     metrics.update({k: v for k, v in result.items()})
                     metrics["eval/policy_version"] = float(version)
@@ -378,8 +384,8 @@ class Trainer:
 
     def save(self, version: int, stream_after: tuple[int, int]) -> Path:
         """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export and the
-        trainer state (step, prompt-stream position). It is written as .tmp-step<N> and renamed when complete, so a
-        run killed mid-save leaves only a temporary folder, which resume ignores."""
+        trainer state (step, prompt-stream position, the entropy controller). It is written as .tmp-step<N> and
+        renamed when complete, so a run killed mid-save leaves only a temporary folder, which resume ignores."""
         root = Path(self.cfg.train.output_dir) / "checkpoints"
         final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -392,6 +398,7 @@ class Trainer:
             "stream_offset": stream_after[1],
             "seed": self.cfg.train.seed,
             "train_prompts": len(self.train_items),
+            "entropy_ctl": self.entropy_ctl.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
@@ -416,6 +423,8 @@ class Trainer:
         self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
         self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
         self.stream._order = self.stream._make_order()
+        if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed
+            self.entropy_ctl.load_state_dict(state["entropy_ctl"])
         step = int(state["step"])
         # the engines start from the initial model: hand them the checkpoint's weights before the first batch
         if self.sync_method == "collective":

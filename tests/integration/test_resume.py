@@ -35,6 +35,9 @@ FLAGS = [
     "--reward.verifier", VERIFIER, "--ref.enabled", "false",
     # a tiny random model's covariances are far below Clip-Cov's bounds of 1 and 5: widen them so it selects
     "--loss.clip_cov.lb=-100", "--loss.clip_cov.ub=100",
+    # the entropy controller, with a band above any entropy a 384-token vocabulary allows (ln 384 = 5.95 nats): its
+    # scale rises every step, so a resume that lost its state would train and log differently from the checkpoint on
+    "--entropy.target", "20,30", "--entropy.knob", "ratio",
 ]  # fmt: skip
 RUN_TIMEOUT_S = 900
 # numbers that depend on the machine's speed, not on what was computed
@@ -152,6 +155,13 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     assert sorted(want) == [0, 1, 2, 3]
     if pipeline == "clip_cov":
         assert all(want[s]["loss/clip_cov_frac"] > 0 for s in (2, 3))  # its random choice acts in the redone steps
+    # the controller pushes toward more entropy at every step: its error is positive and its scale grows
+    scales = [want[s]["entropy_ctl/scale"] for s in range(4)]
+    assert all(want[s]["entropy_ctl/error"] > 0 for s in range(4))
+    assert 1 < scales[0] < scales[1] < scales[2] < scales[3], scales
+    # and it reaches the actor: the selected share grows with the scaled ratio (step 0 trains at scale 1)
+    frac = f"loss/{pipeline}_frac"
+    assert want[3][frac] > 2 * want[0][frac], (want[0][frac], want[3][frac])
 
     # 2. the same run, killed (every process of it, at once) in step 3: after the step-2 checkpoint and after step 2
     # was logged, so the resumed run redoes work that was already logged

@@ -22,7 +22,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
-from entropy_openrlhf.algorithms.losses import clip_cov_loss, kl_cov_loss
+from entropy_openrlhf.algorithms.losses import (
+    cispo_loss,
+    clip_cov_loss,
+    gspo_loss,
+    high_entropy_loss,
+    high_entropy_select,
+    kl_cov_loss,
+    kl_cov_select,
+)
 from entropy_openrlhf.algorithms.selection import MicroBatch, global_selection
 from entropy_openrlhf.config import Config, from_args
 
@@ -35,9 +43,15 @@ IS_CAP = 1.5
 
 def model_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     """log p(response token | everything before it), one sequence at a time: no padding, no shared code."""
+    return model_log_probs_and_entropy(model, prompt, response)[0]
+
+
+def model_log_probs_and_entropy(model, prompt: list[int], response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same log-probs, and the entropy of the whole next-token distribution at each response token (detached)."""
     ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1).detach()
+    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0], entropy
 
 
 def grid(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +82,10 @@ def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
     return samples, old
 
 
-def config(loss: str, scope: str, workers: int, shared_prefix: str) -> Config:
+TOP_FRAC = 0.3  # high_entropy's share (not a divisor of the micro-batch sizes, so its rounding shows)
+
+
+def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str = "") -> Config:
     cfg = from_args(
         [
             "--preset", "smoke",
@@ -88,6 +105,11 @@ def config(loss: str, scope: str, workers: int, shared_prefix: str) -> Config:
     )  # fmt: skip
     cfg.loss.kl_cov.ratio = cfg.loss.clip_cov.ratio = RATIO
     cfg.loss.clip_cov.lb, cfg.loss.clip_cov.ub = -1e9, 1e9  # a tiny random model's covariances are tiny
+    cfg.loss.high_entropy.top_frac = TOP_FRAC
+    cfg.loss.kl_cov.within = within
+    # CISPO and GSPO at clip widths that act on a step this size (their defaults would clip nearly all of GSPO)
+    cfg.loss.cispo.clip_low, cfg.loss.cispo.clip_high = 0.05, 0.05
+    cfg.loss.gspo.clip_low, cfg.loss.gspo.clip_high = 0.02, 0.02
     return cfg
 
 
@@ -101,7 +123,8 @@ def actor_generator(cfg: Config, mini: int, micro: int, rank: int) -> torch.Gene
 
 def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
     """One RL step outside the actor. Returns (state dict after it, selected fraction per micro-batch,
-    importance weights per sample)."""
+    importance weights per sample). `select=False` computes a variant that must miss: the objective with nothing
+    selected, or for CISPO and GSPO (which select nothing) the loss over the wrong denominator."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), eps=cfg.actor.adam_eps,
@@ -122,14 +145,30 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
             for r in range(workers)
         ]  # fmt: skip
         normalizer = sum(len(samples[i].response_ids) for i in range(mini * per_mini, (mini + 1) * per_mini))
+        sequences = per_mini  # every response has tokens
         tensors = {}  # (rank, micro) -> (old, adv, mask, is weights)
         for r, micros in enumerate(ranks):
             for j, idx in enumerate(micros):
                 old, mask = grid([old_rows[i] for i in idx])
                 adv = mask * torch.tensor([[samples[i].advantage] for i in idx])
                 tensors[r, j] = (old, adv, mask, grid([weights[i] for i in idx])[0])
-        selections, cov_means = {}, None
-        if select and lc.scope == "global":
+        selections, cov_means, selected_total = {}, None, None
+        if select and lc.scope == "global" and lc.type == "high_entropy":
+            # the top entropies among every valid token of the mini-batch on all ranks, the weights not yet moved
+            with torch.no_grad():
+                ent = {key: grid([model_log_probs_and_entropy(model, samples[i].prompt_ids, samples[i].response_ids)[1]
+                                  for i in ranks[key[0]][key[1]]])[0] for key in tensors}  # fmt: skip
+            keys = sorted(tensors)
+            pooled = torch.cat([ent[k][tensors[k][2].bool()] for k in keys])[None]
+            chosen = high_entropy_select(pooled, torch.ones_like(pooled), top_frac=TOP_FRAC)[0]
+            start = 0
+            for k in keys:
+                valid = tensors[k][2].bool()
+                sel = torch.zeros_like(valid)
+                sel[valid] = chosen[start : start + int(valid.sum())]
+                selections[k], start = sel, start + int(valid.sum())
+            selected_total = int(chosen.sum())
+        elif select and lc.scope == "global":
             with torch.no_grad():
                 current = {
                     key: grid([model_log_probs(model, samples[i].prompt_ids, samples[i].response_ids) for i in idx])[0]
@@ -145,13 +184,43 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
         opt.zero_grad()
         for (r, j), (old, adv, mask, w) in tensors.items():
             idx = ranks[r][j]
-            lp = grid([model_log_probs(model, samples[i].prompt_ids, samples[i].response_ids) for i in idx])[0]
+            pairs = [model_log_probs_and_entropy(model, samples[i].prompt_ids, samples[i].response_ids) for i in idx]
+            lp, ent = grid([p[0] for p in pairs])[0], grid([p[1] for p in pairs])[0]
             common = dict(agg="token_mean", normalizer=normalizer, dp_size=1, is_weights=w)
             if not select:  # the same objective with nothing selected: what a broken selection would give
                 common["selected"] = torch.zeros_like(mask, dtype=torch.bool)
             elif lc.scope == "global":
                 common.update(selected=selections[r, j], cov_means=cov_means)
-            if lc.type == "kl_cov":
+            elif lc.kl_cov.within == "high_entropy":  # KL-Cov's choice among the micro-batch's high-entropy tokens
+                forking = high_entropy_select(ent, mask, top_frac=TOP_FRAC)
+                common["selected"] = kl_cov_select(lp, adv, mask, ratio=RATIO, candidates=forking)
+            if lc.type == "high_entropy":
+                if lc.scope == "global":  # the mean over every selected token of the mini-batch, all ranks
+                    norm = selected_total if select else normalizer
+                    out = high_entropy_loss(
+                        lp, old, adv, mask, ent, top_frac=TOP_FRAC, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                        selected=common.get("selected"), normalizer=norm, is_weights=w,
+                    )  # fmt: skip
+                else:
+                    # the authors' rule: each micro-batch's mean over its own selected tokens, averaged over the
+                    # mini-batch's micro-batches and (by the data-parallel gradient average) over the ranks
+                    chosen = high_entropy_select(ent, mask, top_frac=TOP_FRAC)
+                    norm = max(int(chosen.sum()), 1) * len(ranks[r]) * workers
+                    out = high_entropy_loss(
+                        lp, old, adv, mask, ent, top_frac=TOP_FRAC, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                        selected=chosen if select else torch.zeros_like(chosen), normalizer=norm, is_weights=w,
+                    )  # fmt: skip
+            elif lc.type == "cispo":
+                out = cispo_loss(
+                    lp, old, adv, mask, clip_low=lc.cispo.clip_low, clip_high=lc.cispo.clip_high,
+                    normalizer=normalizer if select else sequences, is_weights=w,
+                )  # fmt: skip
+            elif lc.type == "gspo":
+                out = gspo_loss(
+                    lp, old, adv, mask, clip_low=lc.gspo.clip_low, clip_high=lc.gspo.clip_high,
+                    normalizer=sequences if select else normalizer, is_weights=w,
+                )  # fmt: skip
+            elif lc.type == "kl_cov":
                 out = kl_cov_loss(lp, old, adv, mask, ratio=RATIO, coef=lc.kl_cov.coef, **common)
             else:
                 out = clip_cov_loss(
@@ -166,14 +235,18 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
 
 
 @pytest.mark.parametrize(
-    "loss, scope, workers, shared_prefix",
-    [("kl_cov", "micro_batch", 1, "on"), ("clip_cov", "micro_batch", 1, "off"), ("kl_cov", "global", 2, "auto"),
-     ("clip_cov", "global", 2, "on")],
+    "loss, scope, workers, shared_prefix, within",
+    [("kl_cov", "micro_batch", 1, "on", ""), ("clip_cov", "micro_batch", 1, "off", ""),
+     ("kl_cov", "global", 2, "auto", ""), ("clip_cov", "global", 2, "on", ""),
+     ("high_entropy", "micro_batch", 2, "on", ""), ("high_entropy", "global", 2, "off", ""),
+     ("cispo", "micro_batch", 1, "auto", ""), ("gspo", "micro_batch", 2, "on", ""),
+     ("kl_cov", "micro_batch", 1, "off", "high_entropy")],
 )  # fmt: skip
-def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers, shared_prefix):
+def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers, shared_prefix, within):
     """`shared_prefix` on/auto: the actor packs each micro-batch's pair of responses behind their one prompt; the
-    reference never packs."""
-    cfg = config(loss, scope, workers, shared_prefix)
+    reference never packs. Every registered objective is here, through the registry on the actor's side and through
+    the plain loss functions on the reference's."""
+    cfg = config(loss, scope, workers, shared_prefix, within)
     samples, old_rows = make_batch(tiny_model)
     initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
     group = PolicyGroup(cfg, tiny_model)
@@ -190,12 +263,25 @@ def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss,
     update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
     tolerance = 1e-3 * update
     assert update > 1e-3  # the step moved the weights
-    print(f"\n{loss}/{scope}/{workers}/{shared_prefix}: update {update:.3g}, deviation {deviation(expected):.3g}")
+    case = f"{loss}/{scope}/{workers}/{shared_prefix}/{within}"
+    print(f"\n{case}: update {update:.3g}, deviation {deviation(expected):.3g}")
     assert deviation(expected) < tolerance, (deviation(expected), update)
     unselected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers, select=False)
     print(f"without selection: deviation {deviation(unselected):.3g}")
     assert deviation(unselected) > 20 * tolerance  # the selection matters at this tolerance
 
+    if loss in ("cispo", "gspo"):
+        return  # they select nothing; the importance weights are checked in the cases above
+    if loss == "high_entropy":
+        # per micro-batch: k = int(0.3 n + 0.9999) of its n valid tokens (random entropies do not tie)
+        if scope == "micro_batch":
+            sizes = [sum(len(s.response_ids) for s in samples[i : i + MICRO]) for i in range(0, N, MICRO)]
+            hand = [int(TOP_FRAC * n + 0.9999) / n for n in sizes]
+            assert metrics["loss/entropy_selected_frac"] == pytest.approx(sum(hand) / len(hand), abs=1e-9)
+        return
+    if within:
+        assert 0 <= metrics["select/overlap_cov_entropy"] <= 1
+        assert metrics["select/within_frac"] == pytest.approx(0.3, abs=0.1)
     # the selected share: max(1, floor(0.1 * valid tokens)) per selection, averaged as the actor reports it
     key = "loss/kl_cov_frac" if loss == "kl_cov" else "loss/clip_cov_frac"
     if scope == "micro_batch":

@@ -46,7 +46,8 @@ def first_in_band(hs: list[float]) -> int | None:
 @pytest.mark.parametrize("seed", range(5))
 def test_below_band_scale_rises_and_entropy_enters(seed):
     # s_eq = 3 > initial scale 1: left alone the entropy keeps falling, so only a rising scale brings it back.
-    ctl = controller()
+    # Integral action alone (damping 0): every step below the band raises the scale.
+    ctl = controller(damping=0.0)
     hs, scales = simulate(ctl, h0=0.1, s_eq=3.0, steps=60, seed=seed)
     entry = first_in_band(hs)
     assert entry is not None, f"entropy never reached the band: {hs[-5:]}"
@@ -57,10 +58,40 @@ def test_below_band_scale_rises_and_entropy_enters(seed):
     assert scales[entry - 1] > 1.0
 
 
+@pytest.mark.parametrize("h0, s_eq", [(0.1, 3.0), (0.9, 0.3), (0.4, 5.0), (0.4, 0.2)])
+def test_damping_keeps_the_entropy_in_the_band_where_integral_action_alone_swings_through_it(h0, s_eq):
+    """On this process the knob sets entropy's rate of change, so integral action alone overshoots and swings; the
+    damping term (the default) holds it in the band most of the time once settled."""
+
+    def time_in_band(damping: float) -> float:
+        shares = []
+        for seed in range(5):
+            hs, _ = simulate(controller(damping=damping), h0=h0, s_eq=s_eq, steps=300, seed=seed)
+            shares.append(sum(LO <= h <= HI for h in hs[100:]) / 200)
+        return min(shares)
+
+    damped, undamped = time_in_band(EntropyControlConfig().damping), time_in_band(0.0)
+    assert damped >= 0.75, damped
+    assert undamped < damped - 0.2, (undamped, damped)
+
+
+def test_damping_holds_the_scale_while_entropy_already_moves_toward_the_band():
+    ctl = controller(damping=2.0)
+    ctl.update(0.10)  # below: rises by gain * (0.3 - 0.1) / 0.4 = 0.5 in log space (no trend yet)
+    assert ctl.scale == pytest.approx(math.exp(0.5))
+    scale = ctl.scale
+    # still below, but up by 0.15 nats (0.375 of the centre): the step is 0.125 - 2 * 0.375 < 0, the scale eases
+    ctl.update(0.25)
+    assert ctl.scale == pytest.approx(scale * math.exp(1.0 * (0.3 - 0.25) / 0.4 - 2.0 * 0.15 / 0.4))
+    assert ctl.scale < scale
+    ctl.update(0.40)  # inside the band: put, whatever the trend
+    assert ctl.scale == pytest.approx(scale * math.exp(0.125 - 0.75))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_above_band_scale_falls_and_entropy_enters(seed):
     # s_eq = 0.3 < 1: left alone the entropy keeps surging.
-    ctl = controller()
+    ctl = controller(damping=0.0)
     hs, scales = simulate(ctl, h0=0.9, s_eq=0.3, steps=60, seed=seed)
     entry = first_in_band(hs)
     assert entry is not None, f"entropy never reached the band: {hs[-5:]}"

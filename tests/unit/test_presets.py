@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from entropy_openrlhf.config import Config, ConfigError, from_args, set_by_path, validate
-from entropy_openrlhf.presets import PIPELINES, PRESETS, group_resources, required_resources, resource_table
+from entropy_openrlhf.presets import PIPELINES, PRESETS
+from entropy_openrlhf.resources import group_resources, required_resources, resource_table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
 DAPO = ("qwen2.5-7b-dapo", "qwen2.5-32b-dapo")
@@ -67,15 +68,16 @@ def test_dapo_presets_carry_the_paper_recipe(name):
     for key, value in PAPER_RECIPE.items():
         assert flat[key] == value, key
     assert flat["loss.kl_cov.ratio"] == KL_COV_RATIO[name]
-    # no entropy bonus exists in the config at all
-    assert not [k for k in flat if "entropy" in k]
+    # no entropy bonus exists in the config at all, and the entropy controller (not in the paper) is off
+    assert not [k for k in flat if "bonus" in k or "entropy_coef" in k]
+    assert flat["entropy.target"] == ""
 
 
 @pytest.mark.parametrize("name", DAPO)
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_the_pipeline_sets_the_loss_and_the_preset_does_not_override_it(name, pipeline):
     cfg = preset(name, pipeline)
-    assert cfg.loss.type == {"grpo": "ppo"}.get(pipeline, pipeline)
+    assert cfg.loss.type == {"grpo": "ppo", "clip_higher": "ppo"}.get(pipeline, pipeline)
     if pipeline in CLIPS:
         assert (cfg.loss.clip_low, cfg.loss.clip_high) == CLIPS[pipeline]
     assert cfg.loss.kl_cov.ratio == KL_COV_RATIO[name] and cfg.loss.clip_cov.ratio == 2e-4
@@ -136,7 +138,7 @@ def test_the_resource_arithmetic_is_plain():
 
 
 def test_docs_table_is_what_the_code_computes():
-    """docs/cluster.md shows `python -m entropy_openrlhf.presets` output; a preset change must update it."""
+    """docs/cluster.md shows `python -m entropy_openrlhf.resources` output; a preset change must update it."""
     text = DOCS.read_text()
     for row in resource_table(list(DAPO)).splitlines():
         assert row in text, f"docs/cluster.md is missing or has a stale row:\n{row}"

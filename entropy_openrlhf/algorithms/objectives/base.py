@@ -1,0 +1,187 @@
+"""What an objective is, and the registry that holds them by name.
+
+An objective is three things: a config dataclass (its own settings, which become `--loss.<name>.<field>` flags),
+an optional token selector (which tokens it acts on) and a loss over typed inputs. The trainer never branches on
+an objective's name: it asks the registry for the objective named by `--loss.type`, runs its selector (per
+micro-batch, or once over the whole optimizer mini-batch on all ranks with `--loss.scope global`) and its loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from entropy_openrlhf.algorithms.losses import LossOutput
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The per-token inputs of one loss call, (B, L) tensors on the same grid (one micro-batch, or a (1, N) row of
+    tokens pooled over a mini-batch when selecting globally)."""
+
+    log_probs: torch.Tensor  # current policy; carries the gradient in a loss call
+    old_log_probs: torch.Tensor  # the policy this rollout batch's optimizer steps start from
+    advantages: torch.Tensor
+    mask: torch.Tensor  # 1 on response tokens
+    entropy: torch.Tensor | None = None  # current policy's token entropy, detached; only for objectives that ask
+    is_weights: torch.Tensor | None = None  # truncated importance weights (async runs), multiplied into the loss
+
+
+@dataclass
+class LossContext:
+    """What one loss call needs to know beyond its micro-batch."""
+
+    # the PPO clip shared by the objectives that have one (--loss.clip_low/high, --loss.dual_clip)
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token_mean"  # --loss.agg
+    # counts over the whole optimizer mini-batch on all ranks; None = this call's own (a plain function call)
+    tokens: float | None = None
+    sequences: float | None = None
+    dp_size: int = 1
+    micro_batches: int = 1  # micro-batches per mini-batch on this rank
+    selected: torch.Tensor | None = None  # a selection made over a wider scope, for this micro-batch
+    selected_total: float | None = None  # its size over the whole mini-batch on all ranks
+    cov_means: tuple[float, float] | None = None  # (advantage mean, log-prob mean) of that wider scope
+    generator: torch.Generator | None = None  # Clip-Cov's random draw, seeded by the trainer
+
+    @property
+    def normalizer(self) -> float | None:
+        """The denominator --loss.agg asks for, over the whole mini-batch."""
+        return self.tokens if self.agg == "token_mean" else self.sequences
+
+
+# select(batch, params, ctx, candidates) -> bool mask of batch.mask's shape
+Selector = Callable[[TokenBatch, Any, LossContext, "torch.Tensor | None"], torch.Tensor]
+LossFn = Callable[[TokenBatch, Any, LossContext], LossOutput]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A setting the entropy controller may scale: value = base * scale ** direction, capped at `cap`."""
+
+    field: str
+    direction: int = 1  # +1: more of it raises entropy; -1: less of it does
+    cap: float | None = None  # ratios and fractions stay <= 1
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    config: type  # dataclass of the objective's own settings
+    loss: LossFn
+    select: Selector | None = None
+    needs_entropy: bool = False  # its selector or loss reads TokenBatch.entropy
+    knobs: tuple[Knob, ...] = ()  # what --entropy.target may scale; the first is the default
+    summary: str = ""  # one line for --help and the docs
+    # validate(params, cfg) -> error strings "--loss.<name>.<field>: why"; notes(params, cfg) -> warnings
+    validate: Callable[[Any, Any], list[str]] = lambda params, cfg: []
+    notes: Callable[[Any, Any], list[str]] = lambda params, cfg: []
+
+    def knob(self, name: str = "") -> Knob:
+        if not self.knobs:
+            raise ValueError(f"objective {self.name!r} has no strength for --entropy.target to scale")
+        for k in self.knobs:
+            if k.field == name or not name:
+                return k
+        raise ValueError(
+            f"--entropy.knob {name!r}: objective {self.name!r} can scale {', '.join(k.field for k in self.knobs)}"
+        )
+
+    def scaled(self, params: Any, scale: float, knob: str = "") -> Any:
+        """A copy of `params` with the controlled knob multiplied by scale (divided, for direction -1)."""
+        if scale == 1.0:
+            return params
+        k = self.knob(knob)
+        value = getattr(params, k.field) * scale**k.direction
+        if k.cap is not None:
+            value = min(value, k.cap)
+        return dataclasses.replace(params, **{k.field: value})
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(
+    name: str,
+    config: type,
+    *,
+    select: Selector | None = None,
+    needs_entropy: bool = False,
+    knobs: tuple[Knob, ...] = (),
+    summary: str = "",
+    validate: Callable[[Any, Any], list[str]] | None = None,
+    notes: Callable[[Any, Any], list[str]] | None = None,
+) -> Callable[[LossFn], LossFn]:
+    """Decorator over an objective's loss function: registers it under `name` with its config and selector."""
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"objective {name!r}: its config must be a dataclass, got {config!r}")
+
+    def wrap(loss: LossFn) -> LossFn:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is registered twice")
+        OBJECTIVES[name] = Objective(
+            name, config, loss, select, needs_entropy, knobs, summary,
+            validate or (lambda params, cfg: []), notes or (lambda params, cfg: []),
+        )  # fmt: skip
+        return loss
+
+    return wrap
+
+
+def get_objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise KeyError(f"unknown objective {name!r}; registered: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+# --------------------------------------------------------------------------- selection, composed
+
+
+def within_of(params: Any) -> str:
+    """The selector another objective's selection is restricted to (`--loss.<name>.within`), or ""."""
+    return getattr(params, "within", "") or ""
+
+
+def objective_needs_entropy(name: str, loss_cfg: Any) -> bool:
+    """Whether running `name` (with what its `within` points to) needs the token entropy."""
+    obj = get_objective(name)
+    within = within_of(getattr(loss_cfg, name))
+    return obj.needs_entropy or (bool(within) and objective_needs_entropy(within, loss_cfg))
+
+
+def select_tokens(
+    name: str, params: Any, loss_cfg: Any, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The tokens objective `name` acts on (None when it has no selector), and selection metrics.
+
+    With `--loss.<name>.within other`, the choice is restricted to the tokens `other`'s selector picks (its own
+    settings from `loss_cfg`); the unrestricted choice is made too, on a copy of the generator, so that the overlap
+    of the two selections (`select/overlap_cov_entropy`) is logged.
+    """
+    obj = get_objective(name)
+    if obj.select is None:
+        return None, {}
+    within = within_of(params)
+    if not within:
+        return obj.select(batch, params, ctx, None), {}
+    inner, _ = select_tokens(within, getattr(loss_cfg, within), loss_cfg, batch, ctx)
+    free_ctx = copy.copy(ctx)
+    if ctx.generator is not None:
+        free_ctx.generator = torch.Generator().set_state(ctx.generator.get_state())
+    free = obj.select(batch, params, free_ctx, None)
+    restricted = obj.select(batch, params, ctx, inner)
+    n_free = int(free.sum())
+    overlap = float((free & inner).sum()) / n_free if n_free else 0.0
+    return restricted, {"select/overlap_cov_entropy": overlap, "select/within_frac": _frac(inner, batch.mask)}
+
+
+def _frac(selected: torch.Tensor, mask: torch.Tensor) -> float:
+    n = int(mask.bool().sum())
+    return float(selected.sum()) / n if n else 0.0

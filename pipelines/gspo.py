@@ -1,0 +1,12 @@
+"""GSPO (Qwen): one importance ratio per sequence, clipped per sequence (clip widths 3e-4 / 4e-4).
+
+python pipelines/gspo.py                      # SmolLM2-135M-Instruct on the built-in arithmetic task
+python pipelines/gspo.py --preset smoke       # a tiny random model, 2 steps: the whole path in minutes
+ray job submit --address http://127.0.0.1:8265 --working-dir . -- python pipelines/gspo.py --help
+"""
+
+import entropy_openrlhf  # noqa: F401  (first: keeps a local Ray on loopback)
+from entropy_openrlhf.pipeline.main import pipeline_main
+
+if __name__ == "__main__":
+    pipeline_main("gspo", __doc__)
