@@ -235,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import ray
 
-        from entropy_openrlhf.actors.policy import resolve_dtype
         from entropy_openrlhf.cluster import init_ray
         from entropy_openrlhf.data.arith_task import write_builtin_task
         from entropy_openrlhf.models import model_folder
+        from entropy_openrlhf.models.dtype import resolve_dtype
 
         model_path = model_folder(args.model, tmp.name)
         dtype = args.dtype if args.dtype != "auto" else str(resolve_dtype("auto", model_path)).split(".")[-1]

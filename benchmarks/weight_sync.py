@@ -106,18 +106,14 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
             "--rollout.batch_size", str(args.prompts),
             "--rollout.n_samples_per_prompt", str(args.n),
             "--rollout.num_engines", str(args.engines),
+            "--rollout.max_model_len", str(longest + args.max_new_tokens),
             "--actor.micro_batch_size", "4",
         ]
     )  # fmt: skip
     policy = PolicyGroup(cfg, model_path)
     rollout = None
     try:
-        rollout = RolloutGroup(
-            model_path,
-            num_engines=args.engines,
-            max_model_len=longest + args.max_new_tokens,
-            dtype="auto",
-        )
+        rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as a run with these flags starts them
         state = policy.export_weights()
         megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 
+import ray
+from ray.util.placement_group import remove_placement_group
+
 # Set in the driver before Ray starts and passed to every actor through the runtime env.
 LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -26,6 +29,7 @@ CPU_DEFAULT_ENV = {
 
 def has_cuda() -> bool:
     try:
+        # torch only when asked: the verifier workers import this module and never need it (1.4 s, +190 MB each)
         import torch
 
         return torch.cuda.is_available()
@@ -61,8 +65,6 @@ def joins_cluster() -> bool:
 def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
     """Join the cluster this process was submitted to (`ray job submit`, RAY_ADDRESS) or start a local one on
     127.0.0.1. Returns True when this call started Ray (the caller then owns it and shuts it down)."""
-    import ray
-
     if ray.is_initialized():
         return False
     if joins_cluster():
@@ -89,8 +91,6 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None)
 
 
 def _free_resources() -> str:
-    import ray
-
     free = ray.available_resources()
     return ", ".join(f"{k} {v:g}" for k, v in sorted(free.items()) if not k.startswith(("node:", "memory", "object")))
 
@@ -98,8 +98,6 @@ def _free_resources() -> str:
 def wait_placement(pg, what: str, timeout_s: float) -> None:
     """Wait for a placement group; on timeout remove it and fail naming the group and the cluster's free resources
     (a group that cannot be placed would otherwise wait forever, silently)."""
-    from ray.util.placement_group import remove_placement_group
-
     if not pg.wait(timeout_s):
         remove_placement_group(pg)
         raise TimeoutError(
@@ -110,8 +108,6 @@ def wait_placement(pg, what: str, timeout_s: float) -> None:
 
 def wait_started(refs: list, what: str, timeout_s: float) -> list:
     """ray.get of actors' start-up calls with a deadline; on timeout the error names the group."""
-    import ray
-
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

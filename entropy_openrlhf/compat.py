@@ -14,6 +14,8 @@ import importlib.util
 import sys
 import types
 
+from einops import rearrange
+
 
 def _unavailable(name: str):
     def fn(*args, **kwargs):
@@ -30,8 +32,6 @@ def ensure_flash_attn_importable() -> None:
     bert_padding = types.ModuleType("flash_attn.bert_padding")
     for name in ("index_first_axis", "pad_input", "unpad_input"):
         setattr(bert_padding, name, _unavailable(f"bert_padding.{name}"))
-    from einops import rearrange
-
     bert_padding.rearrange = rearrange
     utils = types.ModuleType("flash_attn.utils")
     utils.__path__ = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from entropy_openrlhf.config import Config, ConfigError
 
@@ -191,8 +192,6 @@ def check_nodes(cfg: Config, model_path: str, timeout_s: float = NODE_CHECK_TIME
     """On every alive node that could hold an engine, a policy rank or the reference (it has the resources their
     bundles ask for), check the model folder; on every node that could hold a policy rank, check the output folder.
     Raises ConfigError with one line per node at fault, naming the node's address."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     groups = group_needs(cfg)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpu_cluster = sum(n["Resources"].get("GPU", 0.0) for n in nodes) > 0

@@ -14,31 +14,38 @@ import sys
 
 import entropy_openrlhf  # noqa: F401  (keeps a local Ray on loopback)
 from entropy_openrlhf.config import ConfigError, from_args
+from entropy_openrlhf.data.dataset import DatasetError
+from entropy_openrlhf.pipeline.evaluation import evaluate
+from entropy_openrlhf.pipeline.main import prepare
+from rewards import VerifierLoadError
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
-    from entropy_openrlhf.data.dataset import DatasetError
-    from entropy_openrlhf.pipeline.main import prepare
-    from rewards import VerifierLoadError
-
     try:
         model_path, _, items = prepare(cfg, need_train=False)
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    # after the flags and the input checks, as in pipeline/main.py (its docstring): --help and bad input answer
+    # without loading Ray
     import ray
 
     from entropy_openrlhf.actors.reward import RewardGroup
     from entropy_openrlhf.actors.rollout import RolloutGroup
     from entropy_openrlhf.cluster import init_ray
-    from entropy_openrlhf.pipeline.evaluation import evaluate
 
     started = init_ray(cfg.ray.num_cpus)
-    rollout = RolloutGroup(model_path, num_engines=cfg.rollout.num_engines, seed=cfg.train.seed,
-                           max_model_len=cfg.rollout.max_model_len)  # fmt: skip
-    reward = RewardGroup(cfg.reward.verifier, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as training runs them (GPUs, dtype, vLLM flags)
+    reward = RewardGroup(
+        cfg.reward.verifier,
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        num_cpus_per_worker=cfg.reward.num_cpus_per_worker,
+        custom_resources=cfg.reward.custom_resources,
+        start_timeout_s=cfg.ray.start_timeout_s,
+    )
     try:
         result = evaluate(rollout, reward, items, cfg)
     finally:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 ATTENTION_NAME = "prefix_split"
 MODES = ("auto", "on", "off")
@@ -191,6 +192,4 @@ def split_attention(
 
 def register() -> None:
     """Make "prefix_split" a transformers attention implementation (idempotent; per process)."""
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION_NAME, split_attention)

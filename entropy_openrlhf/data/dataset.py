@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from entropy_openrlhf.samples import PromptItem
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -135,8 +137,6 @@ def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:
@@ -146,7 +146,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _saved_dataset_rows(path: str) -> Iterator[tuple[str, Any]]:
-    import datasets
+    import datasets  # for saved-dataset folders only (~0.8 s of CPU, ~95 MB): a jsonl or parquet run needs none
 
     try:
         ds = datasets.load_from_disk(path)

@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import wandb
+
 from entropy_openrlhf.samples import Sample
 
 
 class Tracker:
     def __init__(self, project: str, run_name: str, config: dict[str, Any], output_dir: str):
-        import wandb
-
         mode = "online" if os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "offline" else "offline"
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
