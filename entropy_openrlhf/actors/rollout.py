@@ -183,6 +183,9 @@ class RolloutEngine:
         # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
         self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
         self.version = 0
+        # this process's identity: Ray restarts an engine as a new process with a new one, which tells a restart
+        # apart even when the new process holds the same version as the old (the initial weights, version 0)
+        self.incarnation = uuid.uuid4().hex
 
     def ready(self) -> bool:
         return True
@@ -300,6 +303,10 @@ class RolloutEngine:
     def get_version(self) -> int:
         return self.version
 
+    def identity(self) -> tuple[int, str]:
+        """(policy version, process incarnation)."""
+        return self.version, self.incarnation
+
     def reload_log_counts(self) -> list[dict]:
         """Per vLLM worker: the layers whose "Failed to load weights" is known harmless, how many such messages
         were dropped, and how many about other layers were let through (vllm_worker.KnownUnloadedFilter)."""
@@ -397,6 +404,7 @@ class RolloutGroup:
         self.collective: SyncEndpoint | None = None  # set by init_collective
         self._policy: PolicyGroup | None = None  # the collective sync's sender, which also re-exports for restarts
         self.collective_rebuilds = 0  # broadcast groups rebuilt around a restarted engine, so far
+        self._members: list[str] = []  # each engine's incarnation when it joined the broadcast group
         bundle = {"CPU": num_cpus_per_engine, **(custom_resources or {})}
         if num_gpus_per_engine:
             bundle["GPU"] = num_gpus_per_engine
@@ -722,7 +730,16 @@ class RolloutGroup:
         ]
         _wait_for_sync(joins, [policy_group.join_weight_sync_async()], "setting up the weight sync group", timeout_s)
         self.collective = endpoint
+        self._members = [incarnation for _, incarnation in self._identities(timeout_s, "after joining the group")]
         return time.time() - t0
+
+    def _identities(self, timeout_s: float, when: str) -> list[tuple[int, str]]:
+        try:
+            return ray.get([actor.identity.remote() for actor in self.actors], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"the {len(self.actors)} rollout engine(s) did not answer {when} within {timeout_s:.1f} s"
+            ) from None
 
     def update_weights_collective(self, policy_group: PolicyGroup, version: int, timeout_s: float = 120.0) -> float:
         """Collective path: the policy broadcasts its weights while every engine receives and loads them; return
@@ -759,11 +776,11 @@ class RolloutGroup:
 
     def _recover_dead_engines(self, version: int, timeout_s: float) -> None:
         """Before a broadcast: every engine must answer and still be the process that joined the group."""
-        refs = [actor.get_version.remote() for actor in self.actors]
+        refs = [actor.identity.remote() for actor in self.actors]
         deadline = time.time() + timeout_s
         for i, ref in enumerate(refs):
             try:
-                engine_version = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+                engine_version, incarnation = ray.get(ref, timeout=max(0.0, deadline - time.time()))
             except ray.exceptions.GetTimeoutError:
                 raise WeightSyncTimeoutError(
                     f"weight sync to policy version {version} timed out after {timeout_s:.1f} s: rollout "
@@ -774,8 +791,10 @@ class RolloutGroup:
                 self._recover(i, f"died before the weight sync to policy version {version} ({type(e).__name__})",
                               died=True, reload=False)  # fmt: skip
                 continue
-            if engine_version != self.version:  # restarted since the last call (back at the initial model)
-                self._recover(i, f"restarted before the weight sync to policy version {version}", died=False,
+            if incarnation != self._members[i]:
+                # restarted since it joined: a new process, in no broadcast group. Its version alone cannot tell
+                # before the first sync, when the group's version is the initial weights' too.
+                self._recover(i, f"restarted before the weight sync to policy version {version}", died=True,
                               reload=False)  # fmt: skip
 
     def _resync_after_death_in_broadcast(self, receives: list, sends: list, version: int) -> bool:
