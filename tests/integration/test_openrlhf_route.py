@@ -500,6 +500,7 @@ def test_same_under_ray_job_submit(tmp_path):
         r = run_child(submit, timeout=900, env=env)
     finally:
         subprocess.run(["bash", "scripts/ray_head.sh", "stop", head], cwd=ROOT, env=env)
+    assert subprocess.run(["pgrep", "-f", head], capture_output=True).returncode == 1  # nothing of the head left
     check_probes(r, ranks=1)
 
 
