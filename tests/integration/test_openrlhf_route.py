@@ -346,10 +346,11 @@ def trainer_results(tmp_path_factory) -> dict:
 
     model = str(make_tiny_model(tmp_path_factory.mktemp("openrlhf_route_model")))
     code = "from tests.integration.test_openrlhf_route import trainer_step_child; trainer_step_child()"
-    return run_child([sys.executable, "-c", code, json.dumps({"model": model, "seed": 11})], timeout=840)
+    # 7 min measured with the machine's load average near 28 on 2 cores: the limit only catches a hang
+    return run_child([sys.executable, "-c", code, json.dumps({"model": model, "seed": 11})], timeout=1500)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_openrlhfs_training_step_on_cpu_equals_our_loss(scenario, trainer_results):
     r = trainer_results[scenario]
