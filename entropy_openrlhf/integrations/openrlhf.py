@@ -417,7 +417,8 @@ def objectives_help() -> str:
     for name, obj in OBJECTIVES.items():
         lines.append(f"  {name}: {obj.summary}")
         for f in dataclasses.fields(obj.config):
-            lines.append(f"      --objective.{f.name} [{f.default}]  {f.metadata.get('help', '')}")
+            text = f.metadata.get("help", "").replace("--loss.", "--objective.")  # our trainer's flag names
+            lines.append(f"      --objective.{f.name} [{f.default!r}]  {text}")
     lines += [
         "  a `within` target's own settings: --objective.OBJECTIVE.FIELD (e.g. --objective.high_entropy.top_frac 0.1)",
         "",
@@ -478,6 +479,9 @@ def main(argv: Sequence[str] | None = None, *, train_module: str = TRAIN_MODULE)
     except (ValueError, OpenRLHFMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from entropy_openrlhf.compat import ensure_flash_attn_importable
+
+    ensure_flash_attn_importable()  # --help too imports train_ppo_ray, hence openrlhf.models; no-op with flash-attn
     spec = spec_json(ours.name or "", ours.params, ours.objectives)
     saved_argv = sys.argv
     sys.argv = [train_module, *rest]

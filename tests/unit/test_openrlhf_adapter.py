@@ -9,6 +9,7 @@ objectives with our loss functions fed importance weights computed here by hand;
 """
 
 import math
+import sys
 
 import pytest
 import torch
@@ -339,6 +340,15 @@ def test_cli_notes_a_kl_cov_run_with_one_optimizer_step(capsys, monkeypatch):
     argv = ["--objective", "kl_cov", "--rollout.batch_size", "8", "--train.batch_size", "8"]
     assert route.main(argv) == 0 and ran == ["openrlhf.cli.train_ppo_ray"]
     assert "KL-Cov with one optimizer step per rollout batch" in capsys.readouterr().err
+
+
+def test_cli_help_lists_the_objectives_then_openrlhfs_flags(capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(route.runpy, "run_module", lambda module, **k: ran.append((module, list(sys.argv))))
+    assert route.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "kl_cov:" in out and "--objective.ratio" in out and "--loss." not in out
+    assert ran == [("openrlhf.cli.train_ppo_ray", ["openrlhf.cli.train_ppo_ray", "--help"])]
 
 
 def test_runtime_env_carries_the_hook_and_refuses_another():
