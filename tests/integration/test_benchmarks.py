@@ -38,3 +38,11 @@ def test_overlap_async_beats_sync():
 def test_prefix_sharing_measures_all_three_modes():
     key, speedup = run_benchmark("prefix_sharing", "--model", "tiny", "--repeats", "1", "--shapes", "demo")
     assert key == "prefix_sharing_step_speedup" and speedup > 0
+
+
+def test_loss_overhead_measures_every_registered_objective():
+    """The step table runs every objective of the registry (both scopes where it selects) through the real actor."""
+    key, ratio = run_benchmark(
+        "loss_overhead", "--model", "tiny", "--samples", "8", "--repeats", "1", "--loss-repeats", "2"
+    )
+    assert key == "loss_overhead_max_ratio" and ratio > 0
