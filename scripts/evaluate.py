@@ -38,14 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = init_ray(cfg.ray.num_cpus)
     rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as training runs them (GPUs, dtype, vLLM flags)
-    reward = RewardGroup(
-        cfg.reward.verifier,
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        num_cpus_per_worker=cfg.reward.num_cpus_per_worker,
-        custom_resources=cfg.reward.custom_resources,
-        start_timeout_s=cfg.ray.start_timeout_s,
-    )
+    reward = RewardGroup.from_config(cfg)
     try:
         result = evaluate(rollout, reward, items, cfg)
     finally:

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -27,6 +27,9 @@ from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.samples import Sample
 from rewards import VerifierLoadError, load_verifier
 from rewards.loader import failed_result
+
+if TYPE_CHECKING:  # annotations only: the verifier workers need no config module
+    from entropy_openrlhf.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,15 @@ class VerifierWorker:
 class RewardGroup:
     """`num_workers` verifier actors. `score` splits a batch across them and returns the samples in the order given,
     with `reward`, `acc`, `format_ok` and `reward_info` filled, plus the batch's `reward/*` metrics."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RewardGroup:
+        """The verifier group a run's config describes (--reward.*, --ray.start_timeout_s), as training starts it."""
+        w = cfg.reward
+        return cls(
+            w.verifier, num_workers=w.num_workers, timeout_s=w.timeout_s, num_cpus_per_worker=w.num_cpus_per_worker,
+            custom_resources=w.custom_resources, start_timeout_s=cfg.ray.start_timeout_s,
+        )  # fmt: skip
 
     def __init__(
         self,

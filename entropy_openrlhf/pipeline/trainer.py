@@ -114,14 +114,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.time()
         self.rollout = RolloutGroup.from_config(cfg, self.model_path)
-        self.reward = RewardGroup(
-            cfg.reward.verifier,
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-            num_cpus_per_worker=cfg.reward.num_cpus_per_worker,
-            custom_resources=cfg.reward.custom_resources,
-            start_timeout_s=cfg.ray.start_timeout_s,
-        )
+        self.reward = RewardGroup.from_config(cfg)
         self.reference = None
         if cfg.ref.enabled:
             self.reference = ReferenceActor.options(

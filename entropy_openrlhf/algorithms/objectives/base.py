@@ -126,10 +126,8 @@ def register_objective(
     def wrap(loss: LossFn) -> LossFn:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is registered twice")
-        OBJECTIVES[name] = Objective(
-            name, config, loss, select, needs_entropy, knobs, summary,
-            validate or (lambda params, cfg: []), notes or (lambda params, cfg: []),
-        )  # fmt: skip
+        checks = {k: v for k, v in (("validate", validate), ("notes", notes)) if v is not None}
+        OBJECTIVES[name] = Objective(name, config, loss, select, needs_entropy, knobs, summary, **checks)
         return loss
 
     return wrap
