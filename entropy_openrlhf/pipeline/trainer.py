@@ -314,7 +314,9 @@ class Trainer:
                 waited = time.time() - t_step
                 flat = [s for g in batch.groups for s in g]
                 t0 = time.time()
-                train_metrics = self.policy.train_step(self._train_samples(batch), step, self.entropy_ctl.scale)
+                train_metrics = self.policy.train_step(
+                    self._train_samples(batch), step, strength_scale=self.entropy_ctl.scale
+                )
                 t_train = time.time() - t0
                 export_s = self.publish_weights(step + 1)
                 metrics = {**batch.metrics, **train_metrics}
