@@ -15,6 +15,9 @@ Writes into --out:
 and prints a markdown table of each method's final entropy, accuracies and entropy ratio to --baseline (the table
 of docs/results.md), then each method's fit (a, b, the ceiling b - a, RMSE). The fit uses `--fit-acc`; `auto` is
 `eval/acc` when the run has at least two evaluations, else `reward/acc`.
+
+`--band LO,HI` (an entropy controller's `--entropy.target`) shades the band on the entropy plot and adds a column
+to the table: the share of each run's last N steps whose entropy was inside it.
 """
 
 from __future__ import annotations
@@ -132,12 +135,20 @@ def _save(plt, fig, ax, path: Path) -> Path:
     return path
 
 
-def plot_runs(runs: list[Run], out_dir: Path, prefix: str = "", fit_acc: str = "auto") -> list[Path]:
+def plot_runs(
+    runs: list[Run],
+    out_dir: Path,
+    prefix: str = "",
+    fit_acc: str = "auto",
+    band: tuple[float, float] | None = None,
+) -> list[Path]:
     """Write the figures; return their paths. Raises ValueError when no run logged entropy or accuracy."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
     plt, fig, ax = _figure("policy entropy", "step", f"entropy ({ENTROPY_KEY})")
+    if band is not None:
+        ax.axhspan(*band, color="0.85", zorder=0, label=f"target band [{band[0]:g}, {band[1]:g}]")
     for i, run in enumerate(runs):
         s = run.series(ENTROPY_KEY)
         if s is None:
@@ -202,18 +213,29 @@ def final_value(run: Run, key: str, last: int) -> float | None:
     return None if s is None else float(np.mean(s[1][-last:]))
 
 
-def results_table(runs: list[Run], baseline: str, last: int = 10) -> str:
-    """docs/results.md's table, in markdown: final entropy, accuracies and the entropy ratio to the baseline run."""
+def share_in_band(run: Run, band: tuple[float, float], last: int) -> float | None:
+    """The share of the run's last `last` entropy values inside the band (ends included), or None if never logged."""
+    s = run.series(ENTROPY_KEY)
+    if s is None:
+        return None
+    tail = s[1][-last:]
+    return float(np.mean((tail >= band[0]) & (tail <= band[1])))
+
+
+def results_table(runs: list[Run], baseline: str, last: int = 10, band: tuple[float, float] | None = None) -> str:
+    """docs/results.md's table, in markdown: final entropy, accuracies and the entropy ratio to the baseline run;
+    with a band, also the share of the last steps whose entropy was inside it."""
     base = next((r for r in runs if r.label == baseline), None)
     base_h = final_value(base, ENTROPY_KEY, last) if base else None
 
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
+    band_head = "" if band is None else f" in [{band[0]:g}, {band[1]:g}] (last {last}) |"
     lines = [
         f"| method | steps | entropy (last {last}) | entropy / {baseline} | train acc (last {last}) "
-        "| test acc (last eval) |",
-        "|---|---|---|---|---|---|",
+        f"| test acc (last eval) |{band_head}",
+        "|---|---|---|---|---|---|" + ("" if band is None else "---|"),
     ]
     for run in runs:
         h = final_value(run, ENTROPY_KEY, last)
@@ -223,8 +245,19 @@ def results_table(runs: list[Run], baseline: str, last: int = 10) -> str:
             f"| {run.label} | {fmt(None if steps is None else len(steps[0]), 'd')} | {fmt(h, '.4f')} "
             f"| {fmt(ratio, '.2f')} | {fmt(final_value(run, TRAIN_ACC_KEY, last), '.3f')} "
             f"| {fmt(final_value(run, EVAL_ACC_KEY, 1), '.3f')} |"
+            + ("" if band is None else f" {fmt(share_in_band(run, band, last), '.0%')} |")
         )
     return "\n".join(lines)
+
+
+def parse_band(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--band: expected LO,HI (two numbers), got {text!r}") from None
+    if not lo < hi:
+        raise ValueError(f"--band: LO must be below HI, got {text!r}")
+    return lo, hi
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,17 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit-acc", default="auto", help=f"accuracy metric of the fit: auto | {EVAL_ACC_KEY} | ...")
     p.add_argument("--baseline", default="grpo", help="label of the run the entropy ratios are taken against")
     p.add_argument("--last", type=int, default=10, help="the table averages each metric over the last N steps")
+    p.add_argument("--band", default="", metavar="LO,HI", help="an entropy target band to shade and score runs by")
     args = p.parse_args(argv)
     try:
+        band = parse_band(args.band) if args.band else None
         runs = [parse_run(spec) for spec in args.runs]
         labels = [r.label for r in runs]
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels must differ, got {labels}: name them LABEL=PATH")
-        written = plot_runs(runs, Path(args.out), args.prefix, args.fit_acc)
+        written = plot_runs(runs, Path(args.out), args.prefix, args.fit_acc, band)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(results_table(runs, args.baseline, args.last))
+    print(results_table(runs, args.baseline, args.last, band))
     print()
     print(fit_table(runs))
     for run in runs:

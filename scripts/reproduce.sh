@@ -24,8 +24,9 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 # Runs that are not a pipeline of their own: the pipeline they run and their own flags.
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
 # where every method starts on this task (0.68 at step 0) and where the fixed-ratio KL-Cov run swung through.
+CTL_BAND=0.5,0.8
 declare -A PIPELINE=([kl_cov_target]=kl_cov)
-declare -A EXTRA=([kl_cov_target]="--entropy.target 0.5,0.8")
+declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND")
 
 mkdir -p "$OUT"
 for method in $METHODS; do
@@ -46,16 +47,17 @@ for method in $METHODS; do
 done
 
 # Every method measured so far, not just this call's: the runs can be spread over several sittings.
-plot() {  # plot PREFIX METHOD...: the plots and table of those runs that exist
-    local prefix=$1 specs=() method
-    shift
+plot() {  # plot PREFIX "FLAGS" METHOD...: the plots and table of those runs that exist
+    local prefix=$1 flags=$2 specs=() method
+    shift 2
     for method in "$@"; do
         if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
     done
-    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix "$prefix"
+    # shellcheck disable=SC2086  # flags holds several words
+    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix "$prefix" $flags
 }
-plot arith_ grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
-# entropy control against its two baselines (docs/results.md, "Entropy control")
+plot arith_ "" grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
+# entropy control against its two baselines (docs/results.md, "Entropy control"), its band shaded and scored
 if [[ -f "$PLOTS/runs/kl_cov_target/metrics.jsonl" ]]; then
-    plot ctl_ grpo kl_cov kl_cov_target | tee "$OUT/results_control.txt"
+    plot ctl_ "--band $CTL_BAND" grpo kl_cov kl_cov_target | tee "$OUT/results_control.txt"
 fi

@@ -185,3 +185,26 @@ def test_results_table_holds_final_values_and_entropy_ratio(tmp_path, capsys):
     # the last 10 values of a 2-step run are both: grpo entropy (1.0+0.2)/2 = 0.6, kl_cov (1.0+0.8)/2 = 0.9, ratio 1.5
     assert rows["grpo"] == ["2", "0.6000", "1.00", "0.300", "n/a"]
     assert rows["kl_cov"] == ["2", "0.9000", "1.50", "0.200", "0.450"]
+
+
+def test_band_scores_the_share_of_last_steps_inside_it(tmp_path, capsys):
+    # entropies chosen so the share can be counted by hand: band [0.5, 0.8], ends included
+    values = {"grpo": [0.9, 0.7, 0.4, 0.3], "ctl": [0.9, 0.5, 0.8, 0.6]}
+    for name, hs in values.items():
+        records = [{"step": s, "entropy/seq_mean": h, "reward/acc": 0.1 * s} for s, h in enumerate(hs)]
+        write_run_folder(tmp_path / name, records)
+    args = [f"{name}={tmp_path / name}" for name in values]
+    code, out, err = run_main(capsys, *args, "--out", tmp_path / "p", "--band", "0.5,0.8", "--last", "3")
+    assert code == 0, err
+    assert "in [0.5, 0.8] (last 3)" in out
+    share = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in out.splitlines() if "| 4 |" in line}
+    # grpo's last three: 0.7 in, 0.4 and 0.3 out; ctl's last three: 0.5, 0.8 (the ends) and 0.6 all in
+    assert share == {"grpo": "33%", "ctl": "100%"}
+    assert_png(tmp_path / "p" / "entropy.png")
+
+
+@pytest.mark.parametrize("band", ["0.8,0.5", "0.5", "low,high"])
+def test_a_bad_band_fails_with_one_line(tmp_path, capsys, band):
+    run = write_run_folder(tmp_path / "r", synthetic_records(*METHODS["grpo"]))
+    code, _, err = run_main(capsys, f"r={run}", "--out", tmp_path / "out", "--band", band)
+    assert code == 2 and "--band" in err and err.count("\n") == 1
