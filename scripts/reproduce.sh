@@ -6,7 +6,7 @@
 #   bash scripts/reproduce.sh                         # all four methods, one after the other
 #   METHODS="grpo kl_cov" bash scripts/reproduce.sh   # a subset
 #   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
-#   METHODS=kl_cov_target bash scripts/reproduce.sh   # KL-Cov under entropy control (docs/entropy_control.md)
+#   METHODS="kl_cov_target kl_cov_target_ratio" bash scripts/reproduce.sh   # KL-Cov under entropy control
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<method>.
 # A method whose run finished (its final model exists) is skipped, so the four hours can be spread over several
@@ -25,8 +25,10 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
 # where every method starts on this task (0.68 at step 0) and where the fixed-ratio KL-Cov run swung through.
 CTL_BAND=0.5,0.8
-declare -A PIPELINE=([kl_cov_target]=kl_cov)
-declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND")
+# kl_cov_target_ratio: the same, the controller scaling KL-Cov's ratio of tokens instead of its coefficient.
+declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov)
+declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
+    [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio")
 
 mkdir -p "$OUT"
 for method in $METHODS; do
@@ -59,5 +61,5 @@ plot() {  # plot PREFIX "FLAGS" METHOD...: the plots and table of those runs tha
 plot arith_ "" grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
 # entropy control against its two baselines (docs/results.md, "Entropy control"), its band shaded and scored
 if [[ -f "$PLOTS/runs/kl_cov_target/metrics.jsonl" ]]; then
-    plot ctl_ "--band $CTL_BAND" grpo kl_cov kl_cov_target | tee "$OUT/results_control.txt"
+    plot ctl_ "--band $CTL_BAND" grpo kl_cov kl_cov_target kl_cov_target_ratio | tee "$OUT/results_control.txt"
 fi
