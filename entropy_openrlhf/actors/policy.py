@@ -162,6 +162,11 @@ class PolicyActor:
         if cfg.actor.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        # Without dropout a training forward computes what an eval forward does, so train_step may take the first
+        # mini-batch's old log-probs from its training forward.
+        self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
+        )
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
         optimizer = torch.optim.AdamW(
@@ -239,26 +244,41 @@ class PolicyActor:
         micro_per_mini = len(micro) // n_mini
         batches = [self._batch(m) for m in micro]
 
-        # 1. old log-probs and entropies with the weights the optimizer steps start from
+        lc = cfg.loss
+        objective = get_objective(lc.type)
+        select_globally = lc.scope == "global" and objective.select is not None
+        # 1. old log-probs and entropies with the weights the optimizer steps start from. The first mini-batch's
+        # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
+        # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
+        # both keep the separate pass.
+        deferred = set(range(micro_per_mini)) if self.dropout_free and not select_globally else set()
+        old_lp: list[torch.Tensor | None] = [None] * len(batches)
+        entropies: list[torch.Tensor | None] = [None] * len(batches)
         self.engine.eval()
-        old_lp, entropies = [], []
         with torch.no_grad():
-            for b in batches:
-                lp, ent = forward_log_probs(self.engine, b, with_entropy=True)
-                old_lp.append(lp.float())
-                entropies.append(ent)
+            for i, b in enumerate(batches):
+                if i not in deferred:
+                    lp, entropies[i] = forward_log_probs(self.engine, b, with_entropy=True)
+                    old_lp[i] = lp.float()
         adv = [self._grid([[s.advantage] * len(s.response_ids) for s in m], b, m) for m, b in zip(micro, batches)]
         rollout_lp = [self._grid([s.rollout_log_probs for s in m], b, m) for m, b in zip(micro, batches)]
+        has_ref = all(s.ref_log_probs is not None for s in samples)
+        ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
+        is_weights: list[torch.Tensor | None] = [None] * len(batches)
         metrics: dict[str, list[float]] = {}
 
         def add(key, value):
             metrics.setdefault(key, []).append(float(value))
 
-        for b, lp, ent, r in zip(batches, old_lp, entropies, rollout_lp):
+        def observe_old(i: int) -> None:
+            """Metrics of micro-batch i's old log-probs against the rollout and the reference; its IS weights."""
+            b, lp, r = batches[i], old_lp[i], rollout_lp[i]
+            if cfg.use_is_correction:
+                is_weights[i] = torch.exp((lp - r).clamp(-20, 20)).clamp(max=cfg.async_.is_cap)
             n = int(b.mask.sum())
             if n == 0:
-                continue
-            es = entropy_stats(ent, b.mask)
+                return
+            es = entropy_stats(entropies[i], b.mask)
             add("entropy/token_mean", es["token_mean"])
             add("entropy/seq_mean", es["seq_mean"])
             add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
@@ -266,32 +286,21 @@ class PolicyActor:
             gap = (r - lp).abs() * b.mask
             add("rollout/logprob_diff_max", float(gap.max()))
             add("rollout/logprob_diff_mean", float(gap.sum() / n))
-        has_ref = all(s.ref_log_probs is not None for s in samples)
-        ref_lp = [self._grid([s.ref_log_probs for s in m], b, m) for m, b in zip(micro, batches)] if has_ref else None
-        if ref_lp is not None:
-            for b, lp, rf in zip(batches, old_lp, ref_lp):
-                n = int(b.mask.sum())
-                if n:
-                    kl = compute_approx_kl(lp, rf, kl_estimator=cfg.algo.kl_estimator)
-                    add("kl/ref", float((kl * b.mask).sum() / n))
+            if ref_lp is not None:
+                kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
+                add("kl/ref", float((kl * b.mask).sum() / n))
+            if is_weights[i] is not None:
+                w = is_weights[i]
+                add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
+                add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
 
-        is_weights = None
-        if cfg.use_is_correction:
-            is_weights = [
-                torch.exp((lp - r).clamp(-20, 20)).clamp(max=cfg.async_.is_cap) for lp, r in zip(old_lp, rollout_lp)
-            ]
-            for w, b in zip(is_weights, batches):
-                n = int(b.mask.sum())
-                if n:
-                    add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
-                    add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
+        for i in range(len(batches)):
+            if i not in deferred:
+                observe_old(i)
 
         # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
-        lc = cfg.loss
-        objective = get_objective(lc.type)
         params = objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob)
         needs_entropy = objective_needs_entropy(lc.type, lc)
-        select_globally = lc.scope == "global" and objective.select is not None
         self.engine.train()
         skipped = 0
         for mini in range(n_mini):
@@ -325,10 +334,12 @@ class PolicyActor:
 
             for j, i in enumerate(idx):
                 b = batches[i]
-                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy)
-                batch = TokenBatch(
-                    lp, old_lp[i], adv[i], b.mask, entropy=ent, is_weights=None if is_weights is None else is_weights[i]
-                )
+                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy or i in deferred)
+                if i in deferred:
+                    old_lp[i], entropies[i] = lp.detach().float(), ent
+                    observe_old(i)
+                entropy = ent if needs_entropy else None  # computed for the metrics alone when deferred
+                batch = TokenBatch(lp, old_lp[i], adv[i], b.mask, entropy=entropy, is_weights=is_weights[i])
                 ctx = dataclasses.replace(base, generator=self._generator(step, mini, j), selected=selections[i])
                 if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
                     ctx.selected, selection_metrics = select_tokens(lc.type, params, lc, batch, ctx)
