@@ -4,7 +4,9 @@ import random
 from pathlib import Path
 
 import pytest
+import ray
 import torch
+from transformers import AutoModelForCausalLM
 
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
 from entropy_openrlhf.config import from_args
@@ -215,3 +217,44 @@ def test_zero3_loads_each_rank_s_shard_without_building_the_whole_model(ray_clus
     assert {n: p["full"] for n, p in found[3][0]["params"].items()} == {
         n: p["local"] for n, p in found[2][0]["params"].items()
     }
+
+
+def _step_with_separate_old_pass(model_path: str, separate: bool) -> tuple[dict, dict]:
+    """One kl_cov step with IS weights on; `separate` forces the no-grad old pass for every micro-batch, as a model
+    with dropout gets it."""
+    cfg = from_args(
+        ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3", "--async.is_correction", "on"],
+        {"loss.type": "kl_cov"},
+    )
+    cfg.loss.kl_cov.ratio = 0.1
+    group = PolicyGroup(cfg, model_path)
+    try:
+        if separate:
+            force = group.actors[0].__ray_call__.remote(lambda actor: setattr(actor, "dropout_free", False))
+            ray.get(force, timeout=60)
+        metrics = group.train_step(fixed_batch(), 0)
+        return group.export_weights(), metrics
+    finally:
+        group.shutdown()
+
+
+def test_first_mini_batch_old_log_probs_from_its_training_forward(ray_cluster, tiny_model, tmp_path):
+    """The first mini-batch's old log-probs come from its training forward (the weights have not moved): the step and
+    every old-log-prob metric equal the separate no-grad pass's. A model with dropout keeps the separate pass."""
+    initial = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    reused, reused_metrics = _step_with_separate_old_pass(tiny_model, separate=False)
+    separate, separate_metrics = _step_with_separate_old_pass(tiny_model, separate=True)
+    update = max_diff(separate, {k: initial[k] for k in separate})
+    assert update > 1e-4  # the step moved the weights
+    assert max_diff(reused, separate) < 1e-4 * update
+    for key in ("entropy/seq_mean", "rollout/vllm_kl", "rollout/is_weight_mean", "loss/kl_cov_frac"):
+        assert reused_metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-7), key
+
+    dropout_model = tmp_path / "dropout"
+    AutoModelForCausalLM.from_pretrained(tiny_model, attention_dropout=0.1).save_pretrained(dropout_model)
+    cfg = from_args(["--preset", "smoke"])
+    group = PolicyGroup(cfg, str(dropout_model))
+    try:
+        assert ray.get(group.actors[0].__ray_call__.remote(lambda actor: actor.dropout_free), timeout=60) is False
+    finally:
+        group.shutdown()
