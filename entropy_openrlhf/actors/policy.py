@@ -256,15 +256,15 @@ class PolicyActor:
         # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
         # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
         # both keep the separate pass.
-        deferred = set(range(micro_per_mini)) if self.dropout_free and not select_globally else set()
+        first_from_training = self.dropout_free and not select_globally
+        no_grad_from = micro_per_mini if first_from_training else 0  # the micro-batches the no-grad pass computes
         old_lp: list[torch.Tensor | None] = [None] * len(batches)
         entropies: list[torch.Tensor | None] = [None] * len(batches)
         self.engine.eval()
         with torch.no_grad():
-            for i, b in enumerate(batches):
-                if i not in deferred:
-                    lp, entropies[i] = forward_log_probs(self.engine, b, with_entropy=True)
-                    old_lp[i] = lp.float()
+            for i in range(no_grad_from, len(batches)):
+                lp, entropies[i] = forward_log_probs(self.engine, batches[i], with_entropy=True)
+                old_lp[i] = lp.float()
         adv = [self._grid([[s.advantage] * len(s.response_ids) for s in m], b, m) for m, b in zip(micro, batches)]
         rollout_lp = [self._grid([s.rollout_log_probs for s in m], b, m) for m, b in zip(micro, batches)]
         has_ref = all(s.ref_log_probs is not None for s in samples)
@@ -299,9 +299,8 @@ class PolicyActor:
                 add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
                 add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
 
-        for i in range(len(batches)):
-            if i not in deferred:
-                observe_old(i)
+        for i in range(no_grad_from, len(batches)):
+            observe_old(i)
 
         # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
         params = objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob)
@@ -310,6 +309,7 @@ class PolicyActor:
         skipped = 0
         for mini in range(n_mini):
             idx = list(range(mini * micro_per_mini, (mini + 1) * micro_per_mini))
+            old_from_here = first_from_training and mini == 0
             local_tokens = sum(float(batches[i].mask.sum()) for i in idx)
             local_seqs = sum(float((batches[i].mask.sum(-1) > 0).sum()) for i in idx)
             tokens, sequences = self._all_reduce_sum(local_tokens, local_seqs)
@@ -339,11 +339,11 @@ class PolicyActor:
 
             for j, i in enumerate(idx):
                 b = batches[i]
-                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy or i in deferred)
-                if i in deferred:
+                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy or old_from_here)
+                if old_from_here:
                     old_lp[i], entropies[i] = lp.detach().float(), ent
                     observe_old(i)
-                entropy = ent if needs_entropy else None  # computed for the metrics alone when deferred
+                entropy = ent if needs_entropy else None  # computed only for the old-log-prob metrics
                 batch = TokenBatch(lp, old_lp[i], adv[i], b.mask, entropy=entropy, is_weights=is_weights[i])
                 ctx = dataclasses.replace(base, generator=self._generator(step, mini, j), selected=selections[i])
                 if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
