@@ -136,7 +136,35 @@ def choose_packing(mode: str, prompt_ids: list[list[int]], response_ids: list[li
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # grouped-query attention: query head h reads key/value head h // groups (transformers' repeat_kv), so each
+    # key/value head is repeated in place, [k0, k0, k1, k1], not tiled, [k0, k1, k0, k1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _refuse_unimplemented(module: torch.nn.Module, dropout: float, rows: list[RowLayout], kwargs: dict) -> None:
+    """Raise on an attention setting the split attention would otherwise drop without a word. Transformers passes
+    a model's attention options as keyword arguments; the ones below change the result, and none is computed here."""
+    fix = "set --train.shared_prefix off for this model"
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME}: attention logit soft-capping (softcap) is not implemented; {fix}")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME}: attention sinks (s_aux) are not implemented; {fix}")
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        # a window that covers every whole sequence masks nothing (transformers keeps keys with q - k < window)
+        longest = max(row.prompt_len + max(row.lengths, default=0) for row in rows)
+        if longest > window:
+            raise NotImplementedError(
+                f"{ATTENTION_NAME}: a sliding window of {window} tokens is not implemented and this batch has a "
+                f"sequence of {longest}; {fix}"
+            )
+    if dropout and module.training:
+        # dropout itself would run, but a packed prompt is computed once for its whole group, so every response
+        # would share one dropout draw of the prompt where the plain batch draws one per sequence
+        raise NotImplementedError(
+            f"{ATTENTION_NAME}: attention dropout ({dropout}) in training is not implemented (the responses of a "
+            f"group would share the prompt's dropout draw); {fix}, or load the model with attention_dropout=0"
+        )
 
 
 def split_attention(
@@ -151,22 +179,21 @@ def split_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention over packed rows (transformers' attention-function signature: query (G, H, L, D), key and value
-    (G, H_kv, L, D); returns (G, L, H, D)). Positions past a row's content get zeros."""
+    (G, H_kv, L, D); returns (G, L, H, D)). Positions past a row's content get zeros. Settings it does not compute
+    (soft-capping, sinks, a sliding window shorter than a sequence, dropout in training) raise NotImplementedError."""
     if prefix_layout is None:
         raise RuntimeError(
             f"the model's attention is {ATTENTION_NAME!r}, which needs the packed layout (prefix_layout=...): "
             "call it through entropy_openrlhf.actors.forward"
         )
+    _refuse_unimplemented(module, dropout, prefix_layout, kwargs)
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    p_drop = dropout if module.training else 0.0
     out = query.new_zeros(query.shape)
     for g, row in enumerate(prefix_layout):
         P, n = row.prompt_len, len(row.lengths)
         q, k, v = query[g], key[g], value[g]  # (H, L, D)
-        out[g, :, :P] = F.scaled_dot_product_attention(
-            q[:, :P], k[:, :P], v[:, :P], is_causal=True, dropout_p=p_drop, scale=scaling
-        )
+        out[g, :, :P] = F.scaled_dot_product_attention(q[:, :P], k[:, :P], v[:, :P], is_causal=True, scale=scaling)
         if n == 0:
             continue
         R = max(row.lengths)
@@ -184,7 +211,7 @@ def split_attention(
         qi = torch.arange(R, device=q.device)
         own = (qi[None, :] <= qi[:, None])[None] & (qi[None, None, :] < lengths[:, None, None])  # causal, unpadded
         mask = torch.cat([torch.ones(n, R, P, dtype=torch.bool, device=q.device), own], dim=2)[:, None]
-        res = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=mask, dropout_p=p_drop, scale=scaling)
+        res = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=mask, scale=scaling)
         for i, (s, length) in enumerate(zip(row.starts, row.lengths)):
             out[g, :, s : s + length] = res[i, :, :length]
     return out.transpose(1, 2).contiguous(), None

@@ -113,3 +113,85 @@ def test_a_model_switched_to_packing_refuses_a_batch_without_a_layout(tiny):
     use_shared_prefix(model, "auto")
     with pytest.raises(RuntimeError, match="needs the packed layout"):
         forward_log_probs(model, make_seq_batch(PROMPTS, RESPONSES, 0))
+
+
+def gqa_model(tmp_path, **overrides) -> str:
+    """A random Llama with grouped-query attention: 4 query heads reading 2 key/value heads (SmolLM2 and Qwen2.5 are
+    GQA; the tiny model's single head never exercises the repeat of keys and values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **overrides,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_grouped_query_attention_packs_exactly(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(gqa_model(tmp_path), dtype=torch.float64)
+    assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads
+    adv = torch.linspace(-1.0, 1.0, len(PROMPTS))[:, None]
+
+    def run(batch):
+        lp, _ = forward_log_probs(model, batch)
+        ((lp * adv) * batch.mask).sum().backward()
+        return lp.detach() * batch.mask, grads(model)
+
+    plain_lp, plain_grads = run(make_seq_batch(PROMPTS, RESPONSES, 0))  # transformers' own attention
+    use_shared_prefix(model, "on")
+    lp, packed_grads = run(make_seq_batch(PROMPTS, RESPONSES, 0, shared_prefix="on", model_config=model.config))
+    # the key/value heads each query head reads decide every log-prob: a wrong pairing moves them by far more than
+    # rounding (fp64 here, and the two layouts sum in different orders, hence a tolerance rather than equality)
+    assert float((lp - plain_lp).abs().max()) < 1e-10
+    for name, g in plain_grads.items():
+        assert float((packed_grads[name] - g).abs().max()) <= 1e-6 * (float(g.abs().max()) or 1.0), name
+
+
+def _call_split(training: bool = False, dropout: float = 0.0, **kwargs):
+    from entropy_openrlhf.actors.prefix_packing import split_attention
+
+    packed = pack(PROMPTS[:2], RESPONSES[:2], pad_id=0)
+    G, L = packed.input_ids.shape
+    module = torch.nn.Module().train(training)
+    gen = torch.Generator().manual_seed(0)  # the same inputs on every call, so outputs can be compared
+    q, kv = torch.randn(G, 2, L, 8, generator=gen), torch.randn(G, 1, L, 8, generator=gen)
+    return split_attention(module, q, kv, kv, None, dropout=dropout, prefix_layout=packed.rows, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"softcap": 50.0}, "soft-capping"),
+        ({"s_aux": torch.zeros(2)}, "sinks"),
+        ({"sliding_window": 6}, "sliding window of 6 tokens"),  # the first prompt (5) + its longest response (5)
+        ({"training": True, "dropout": 0.1}, "dropout"),
+    ],
+)
+def test_split_attention_refuses_what_it_does_not_compute(kwargs, message):
+    with pytest.raises(NotImplementedError, match=message) as error:
+        _call_split(**kwargs)
+    assert "--train.shared_prefix off" in str(error.value)
+
+
+def test_split_attention_accepts_settings_that_change_nothing():
+    # what transformers passes for a model without these features, a window as wide as the longest sequence (10),
+    # and dropout outside training (some attention modules pass their rate whatever the mode)
+    baseline, _ = _call_split()
+    for kwargs in ({"softcap": None, "sliding_window": None, "s_aux": None}, {"sliding_window": 10}, {"dropout": 0.1}):
+        out, _ = _call_split(**kwargs)
+        assert torch.equal(out, baseline), kwargs
+
+
+def test_a_sliding_window_model_is_refused_through_its_forward(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    use_shared_prefix(model, "on")
+    with pytest.raises(NotImplementedError, match="sliding window of 4 tokens"):
+        forward_log_probs(model, make_seq_batch(PROMPTS, RESPONSES, 0, shared_prefix="on", model_config=config))
