@@ -117,15 +117,22 @@ def deserialize_chunk(data: Chunk | bytes) -> Chunk:
 
 
 class IncompleteWeightsError(RuntimeError):
-    """The chunks of a sync did not add up to whole tensors (a lost chunk, or chunks of two syncs mixed)."""
+    """The chunks of a sync did not add up to whole tensors (a lost chunk, a duplicated one, or chunks of two syncs
+    mixed)."""
 
 
 class ChunkAssembler:
-    """Worker side: collects the chunks of one sync and hands back whole tensors, in the order they were sent."""
+    """Worker side: collects the chunks of one sync and hands back whole tensors, in the order they were sent.
+
+    It records which element ranges of each tensor arrived, so a piece that covers elements already received is
+    refused when it arrives, and a tensor with elements nobody sent is refused before anything loads. Counting
+    elements would not do: a duplicated piece plus a lost one add up, and the lost range would load whatever
+    memory `torch.empty` handed out.
+    """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._filled: dict[str, int] = {}  # elements received so far, per tensor
+        self._ranges: dict[str, list[tuple[int, int]]] = {}  # element ranges [start, end) received, per tensor
 
     def add(self, chunk: Chunk) -> None:
         for piece in chunk:
@@ -133,29 +140,52 @@ class ChunkAssembler:
                 if piece.name in self.tensors:
                     raise IncompleteWeightsError(f"{piece.name} arrived twice in one weight sync")
                 self.tensors[piece.name] = piece.tensor
-                self._filled[piece.name] = piece.tensor.numel()
+                self._ranges[piece.name] = [(0, piece.tensor.numel())]
                 continue
             full = self.tensors.get(piece.name)
             if full is None:
                 full = torch.empty(piece.shape, dtype=getattr(torch, piece.dtype))
-                self.tensors[piece.name], self._filled[piece.name] = full, 0
+                self.tensors[piece.name], self._ranges[piece.name] = full, []
+            elif tuple(full.shape) != tuple(piece.shape) or full.dtype != getattr(torch, piece.dtype):
+                raise IncompleteWeightsError(
+                    f"{piece.name}: a piece of a {piece.dtype} {tuple(piece.shape)} tensor, but earlier pieces were "
+                    f"{str(full.dtype).removeprefix('torch.')} {tuple(full.shape)} (chunks of two syncs mixed?)"
+                )
             flat = full.view(-1)
             end = piece.start + piece.tensor.numel()
-            if end > flat.numel():
+            if piece.start < 0 or end > flat.numel():
                 raise IncompleteWeightsError(
-                    f"{piece.name}: a piece ends at element {end}, beyond the tensor's {flat.numel()}"
+                    f"{piece.name}: a piece covers elements [{piece.start}, {end}), outside the tensor's "
+                    f"[0, {flat.numel()})"
                 )
+            for lo, hi in self._ranges[piece.name]:
+                if piece.start < hi and lo < end:
+                    raise IncompleteWeightsError(
+                        f"{piece.name}: a piece covers elements [{piece.start}, {end}), which overlap [{lo}, {hi}) "
+                        "received already (a chunk sent twice, or chunks of two syncs mixed)"
+                    )
             flat[piece.start : end].copy_(piece.tensor)
-            self._filled[piece.name] += piece.tensor.numel()
+            self._ranges[piece.name].append((piece.start, end))
+
+    def _first_gap(self, name: str) -> tuple[int, int] | None:
+        """The first element range of `name` that no piece covered, or None (ranges never overlap: add refuses)."""
+        covered = 0
+        for lo, hi in sorted(self._ranges[name]):
+            if lo > covered:
+                return covered, lo
+            covered = max(covered, hi)
+        numel = self.tensors[name].numel()
+        return (covered, numel) if covered < numel else None
 
     def items(self, expected: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of everything received; raises first if a tensor lacks elements or, with `expected`,
         if the number of tensors differs (nothing is loaded from an incomplete sync)."""
-        missing = [n for n, t in self.tensors.items() if self._filled[n] != t.numel()]
-        if missing:
+        gaps = {n: gap for n in self.tensors if (gap := self._first_gap(n)) is not None}
+        if gaps:
+            name, (lo, hi) = next(iter(gaps.items()))
             raise IncompleteWeightsError(
-                f"weight sync incomplete: {len(missing)} tensor(s) lack elements, e.g. {missing[0]} "
-                f"({self._filled[missing[0]]} of {self.tensors[missing[0]].numel()})"
+                f"weight sync incomplete: {len(gaps)} tensor(s) lack elements, e.g. {name} (elements [{lo}, {hi}) of "
+                f"{self.tensors[name].numel()} never arrived)"
             )
         if expected is not None and expected != len(self.tensors):
             raise IncompleteWeightsError(f"weight sync incomplete: {len(self.tensors)} of {expected} tensors arrived")

@@ -9,6 +9,7 @@ from entropy_openrlhf.actors.weight_chunks import (
     ChunkAssembler,
     ExportedWeights,
     IncompleteWeightsError,
+    Piece,
     chunk_bytes,
     deserialize_chunk,
     make_chunks,
@@ -99,8 +100,50 @@ def test_a_lost_chunk_or_a_missing_tensor_is_refused_before_anything_loads():
         reassemble(chunks[1:])
     with pytest.raises(IncompleteWeightsError, match=f"6 of {len(want)} tensors"):
         reassemble(chunks[:4], expected=len(want))  # embed complete and the small ones, "odd" never started
-    with pytest.raises(IncompleteWeightsError, match="arrived twice"):
-        reassemble(chunks + chunks[3:4])
+    whole = [p for p in chunks[3] if p.start is None]  # the chunk's small tensors, sent whole
+    with pytest.raises(IncompleteWeightsError, match="norm arrived twice"):
+        reassemble([*chunks, whole])
+
+
+def test_a_duplicated_piece_plus_a_lost_one_is_refused_though_the_count_adds_up():
+    chunks = make_chunks(state(), 1000)
+    embed_chunks = [c for c in chunks[:3]]  # embed's first three pieces, 250 elements each, one chunk each
+    assert [p.name for c in embed_chunks for p in c] == ["embed"] * 3
+    # the first piece twice and the second never: 250 * 4 + 50 elements, as many as embed has
+    resent = [chunks[0], chunks[0], chunks[2], *chunks[3:]]
+    assert sum(p.tensor.numel() for c in resent for p in c if p.name == "embed") == state()["embed"].numel()
+    with pytest.raises(IncompleteWeightsError, match=r"embed: a piece covers elements \[0, 250\), which overlap"):
+        reassemble(resent)
+
+
+def test_a_piece_overlapping_part_of_another_is_refused():
+    assembler = ChunkAssembler()
+    whole = torch.arange(10.0)
+    assembler.add([Piece("w", (10,), "float32", 0, whole[:6].clone())])
+    with pytest.raises(IncompleteWeightsError, match=r"w: a piece covers elements \[4, 10\), which overlap \[0, 6\)"):
+        assembler.add([Piece("w", (10,), "float32", 4, whole[4:].clone())])
+
+
+def test_a_lost_piece_is_named_with_the_elements_that_never_arrived():
+    chunks = make_chunks(state(), 1000)
+    with pytest.raises(IncompleteWeightsError, match=r"e\.g\. embed \(elements \[250, 500\) of 800 never arrived\)"):
+        reassemble([chunks[0], *chunks[2:]])
+    # the tail: the last piece lost
+    assembler = ChunkAssembler()
+    assembler.add([Piece("w", (10,), "float32", 0, torch.zeros(6))])
+    with pytest.raises(IncompleteWeightsError, match=r"w \(elements \[6, 10\) of 10"):
+        dict(assembler.items())
+
+
+def test_pieces_of_another_shape_or_dtype_are_refused():
+    assembler = ChunkAssembler()
+    assembler.add([Piece("w", (10,), "float32", 0, torch.zeros(5))])
+    with pytest.raises(IncompleteWeightsError, match=r"w: a piece of a float32 \(12,\) tensor"):
+        assembler.add([Piece("w", (12,), "float32", 5, torch.zeros(7))])
+    with pytest.raises(IncompleteWeightsError, match=r"w: a piece of a bfloat16 \(10,\) tensor"):
+        assembler.add([Piece("w", (10,), "bfloat16", 5, torch.zeros(5, dtype=torch.bfloat16))])
+    with pytest.raises(IncompleteWeightsError, match=r"outside the tensor's \[0, 10\)"):
+        assembler.add([Piece("w", (10,), "float32", 8, torch.zeros(5))])
 
 
 def test_exported_weights_is_the_state_dict_with_its_chunk_size():
