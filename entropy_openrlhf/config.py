@@ -452,6 +452,7 @@ def validate(cfg: Config) -> list[str]:
                        ("reward", "num_cpus_per_worker"), ("ref", "num_gpus"), ("ref", "num_cpus")):  # fmt: skip
         flag, n = f"{group}.{key}", getattr(getattr(cfg, group), key)
         need(n >= 0 and (n <= 1 or float(n).is_integer()), flag, f"{n:g}: Ray takes a fraction <= 1 or a whole number")
+    _validate_gpu_sharing(cfg, need)
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
     need(
         r.num_gpus_per_engine == 0 or r.num_gpus_per_engine >= r.tensor_parallel_size,
@@ -519,6 +520,21 @@ def validate(cfg: Config) -> list[str]:
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return notes
+
+
+def _validate_gpu_sharing(cfg: Config, need) -> None:
+    """GPU layouts Ray accepts but the run cannot use: two NCCL ranks on one GPU."""
+    a = cfg.actor
+    # Ray packs the policy's bundles, so two bundles of half a GPU land on the same device; NCCL then refuses the
+    # communicator ("Duplicate GPU detected"), after every model has loaded. OpenRLHF gives each rank a whole GPU
+    # and colocates the other models fractionally inside it.
+    need(
+        not (0 < a.num_gpus_per_worker < 1 and a.num_workers >= 2),
+        "actor.num_gpus_per_worker",
+        f"{a.num_gpus_per_worker:g} with {a.num_workers} policy ranks (--actor.num_workers) puts two NCCL ranks on one "
+        "GPU, which NCCL refuses (Duplicate GPU detected): give each rank a whole GPU (1); only a single rank may "
+        "take a fraction, to share its GPU with the reference (--ref.num_gpus)",
+    )
 
 
 def _validate_objective(cfg: Config, need, notes: list[str]) -> None:

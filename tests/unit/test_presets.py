@@ -213,8 +213,12 @@ def test_resource_amounts_ray_would_refuse_are_rejected_naming_the_flag(flag, va
         validate(cfg)
 
 
-def test_fractional_gpus_are_legal_for_trainer_ranks_but_not_for_engines():
+def test_fractional_gpus_are_legal_for_a_single_trainer_rank_but_not_for_engines():
     validate(from_args(["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "0.5"]))
+    # two ranks of half a GPU would be packed onto one device, which NCCL refuses (tests/unit/test_gpu_placement.py)
+    with pytest.raises(ConfigError, match="--actor.num_gpus_per_worker: 0.5 with 2 policy ranks"):
+        validate(from_args(["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "0.5",
+                            "--actor.num_workers", "2"]))  # fmt: skip
     # an engine's vLLM takes a fixed share of its GPU's memory: RolloutGroup refuses a fraction, and so does validate
     with pytest.raises(ConfigError, match="needs --rollout.num_gpus_per_engine >= 1"):
         validate(from_args(["--rollout.num_gpus_per_engine", "0.5", "--actor.num_gpus_per_worker", "0.5"]))
