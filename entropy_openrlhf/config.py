@@ -202,11 +202,19 @@ class SyncConfig:
     )
 
 
+REF_GPUS_AUTO = -1.0  # --ref.num_gpus: follow the policy ranks' hardware (reference_gpus)
+
+
 @dataclass
 class RefConfig:
     enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
     num_cpus: float = _f(0.5, "Ray CPUs for the reference actor")
-    num_gpus: float = _f(0.0, "Ray GPUs for the reference actor")
+    num_gpus: float = _f(
+        REF_GPUS_AUTO,
+        "Ray GPUs for the reference actor; -1 = auto: one policy rank's share (at most 1) when the policy ranks have "
+        "GPUs, so the reference runs on the policy's hardware and precision, else 0 (the CPU). 0 with GPU policy "
+        "ranks is refused: the reference would run a full-size forward on the CPU in fp32 every step",
+    )
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="reference actor", example='{"node_b": 1}'))
 
 
@@ -451,6 +459,8 @@ def validate(cfg: Config) -> list[str]:
                        ("actor", "num_gpus_per_worker"), ("actor", "num_cpus_per_worker"),
                        ("reward", "num_cpus_per_worker"), ("ref", "num_gpus"), ("ref", "num_cpus")):  # fmt: skip
         flag, n = f"{group}.{key}", getattr(getattr(cfg, group), key)
+        if flag == "ref.num_gpus" and n == REF_GPUS_AUTO:
+            continue
         need(n >= 0 and (n <= 1 or float(n).is_integer()), flag, f"{n:g}: Ray takes a fraction <= 1 or a whole number")
     _validate_gpu_sharing(cfg, need)
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
@@ -522,8 +532,18 @@ def validate(cfg: Config) -> list[str]:
     return notes
 
 
+def reference_gpus(cfg: Config) -> float:
+    """The GPUs the reference actor reserves: --ref.num_gpus, or for -1 (auto) one policy rank's GPU share, at most
+    one (a forward pass uses one device), and 0 when the policy ranks train on the CPU. 0 when the reference is off."""
+    if not cfg.ref.enabled:
+        return 0.0
+    if cfg.ref.num_gpus == REF_GPUS_AUTO:
+        return min(1.0, cfg.actor.num_gpus_per_worker)
+    return cfg.ref.num_gpus
+
+
 def _validate_gpu_sharing(cfg: Config, need) -> None:
-    """GPU layouts Ray accepts but the run cannot use: two NCCL ranks on one GPU."""
+    """GPU layouts Ray accepts but the run cannot use: two NCCL ranks on one GPU, a reference left on the CPU."""
     a = cfg.actor
     # Ray packs the policy's bundles, so two bundles of half a GPU land on the same device; NCCL then refuses the
     # communicator ("Duplicate GPU detected"), after every model has loaded. OpenRLHF gives each rank a whole GPU
@@ -534,6 +554,15 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
         f"{a.num_gpus_per_worker:g} with {a.num_workers} policy ranks (--actor.num_workers) puts two NCCL ranks on one "
         "GPU, which NCCL refuses (Duplicate GPU detected): give each rank a whole GPU (1); only a single rank may "
         "take a fraction, to share its GPU with the reference (--ref.num_gpus)",
+    )
+    # The reference on the CPU beside GPU policy ranks runs a full-size forward in fp32 every step, and kl/ref then
+    # compares two precisions: refused rather than slow and skewed without a word.
+    need(
+        not (cfg.ref.enabled and cfg.ref.num_gpus == 0 and a.num_gpus_per_worker > 0),
+        "ref.num_gpus",
+        f"0 puts the reference model on the CPU in fp32 while the policy ranks have GPUs (--actor.num_gpus_per_worker "
+        f"{a.num_gpus_per_worker:g}): leave it at -1 (auto: {min(1.0, a.num_gpus_per_worker):g} GPU, the policy's "
+        "hardware), give it GPUs, or turn it off with --ref.enabled false",
     )
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from entropy_openrlhf.config import Config, ConfigError
+from entropy_openrlhf.config import Config, ConfigError, reference_gpus
 
 NODE_CHECK_TIMEOUT_S = 60.0  # a node check is a few file operations; a node that cannot run it in a minute is sick
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -74,7 +74,7 @@ def group_needs(cfg: Config) -> list[GroupNeed]:
     if ref.enabled:
         groups.append(
             GroupNeed(
-                "reference", 1, {"CPU": ref.num_cpus, "GPU": ref.num_gpus, **ref.custom_resources},
+                "reference", 1, {"CPU": ref.num_cpus, "GPU": reference_gpus(cfg), **ref.custom_resources},
                 {"CPU": "--ref.num_cpus", "GPU": "--ref.num_gpus", "*": "--ref.custom_resources"},
                 reads_model=True, writes_output=False,
             )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from entropy_openrlhf.config import Config, apply_preset, set_by_path
+from entropy_openrlhf.config import Config, apply_preset, reference_gpus, set_by_path
 from entropy_openrlhf.presets import PIPELINES, PRESETS
 
 
@@ -23,7 +23,7 @@ def group_resources(cfg: Config) -> dict[str, dict[str, float]]:
         "reward": {"actors": w.num_workers, "GPU": 0.0, "CPU": w.num_workers * w.num_cpus_per_worker},
     }  # fmt: skip
     if ref.enabled:
-        groups["reference"] = {"actors": 1, "GPU": ref.num_gpus, "CPU": ref.num_cpus}
+        groups["reference"] = {"actors": 1, "GPU": reference_gpus(cfg), "CPU": ref.num_cpus}
     return groups
 
 

@@ -39,7 +39,7 @@ from entropy_openrlhf.actors.weight_sync import resolve_method
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.cluster import wait_started
-from entropy_openrlhf.config import Config, ConfigError
+from entropy_openrlhf.config import Config, ConfigError, reference_gpus
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
 
@@ -118,7 +118,7 @@ class Trainer:
         self.reference = None
         if cfg.ref.enabled:
             self.reference = ReferenceActor.options(
-                num_cpus=cfg.ref.num_cpus, num_gpus=cfg.ref.num_gpus, resources=cfg.ref.custom_resources or None
+                num_cpus=cfg.ref.num_cpus, num_gpus=reference_gpus(cfg), resources=cfg.ref.custom_resources or None
             ).remote(self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size, cfg.train.shared_prefix)
             wait_started([self.reference.ready.remote()], "the reference model actor", cfg.ray.start_timeout_s)
         self.policy = PolicyGroup(cfg, self.model_path, local=local)

@@ -4,7 +4,12 @@ is reported to run."""
 
 import pytest
 
-from entropy_openrlhf.config import ConfigError, from_args, validate
+from entropy_openrlhf.config import ConfigError, from_args, reference_gpus, validate
+from entropy_openrlhf.preflight import group_needs
+from entropy_openrlhf.resources import group_resources
+
+GPU_POLICY = ["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "1"]
+
 
 # ---------------------------------------------------------------------------------------------- fractional ranks
 
@@ -23,5 +28,44 @@ def test_fractional_gpus_for_several_policy_ranks_are_refused_naming_the_flag_an
 
 @pytest.mark.parametrize("workers,share", [(1, "0.5"), (2, "1"), (2, "2"), (4, "0")])
 def test_whole_gpus_per_rank_or_a_single_fractional_rank_pass(workers, share):
+    ref_gpus = "0" if share == "0" else "1"
     validate(from_args(["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", share,
-                        "--actor.num_workers", str(workers)]))  # fmt: skip
+                        "--actor.num_workers", str(workers), "--ref.num_gpus", ref_gpus]))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+
+
+def test_by_default_the_reference_follows_the_policy_onto_gpus():
+    cfg = from_args(GPU_POLICY)
+    validate(cfg)
+    assert reference_gpus(cfg) == 1.0
+    # every place that reserves or checks resources counts that GPU: the actor's options, the fit check, the docs
+    assert group_resources(cfg)["reference"]["GPU"] == 1.0
+    assert [g.bundle["GPU"] for g in group_needs(cfg) if g.name == "reference"] == [1.0]
+
+
+def test_the_reference_takes_one_rank_s_share_at_most_one_gpu():
+    assert reference_gpus(from_args(["--actor.num_gpus_per_worker", "0.5"])) == 0.5
+    assert reference_gpus(from_args(["--actor.num_gpus_per_worker", "2"])) == 1.0  # one forward uses one device
+
+
+def test_by_default_the_reference_stays_on_the_cpu_with_cpu_policy_ranks():
+    cfg = from_args([])
+    validate(cfg)
+    assert reference_gpus(cfg) == 0.0 and group_resources(cfg)["reference"]["GPU"] == 0.0
+
+
+def test_a_reference_on_the_cpu_beside_gpu_policy_ranks_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError) as e:
+        validate(from_args([*GPU_POLICY, "--ref.num_gpus", "0"]))
+    msg = str(e.value)
+    assert msg.startswith("invalid config: --ref.num_gpus: 0 puts the reference model on the CPU in fp32")
+    assert "--ref.enabled false" in msg and "-1 (auto" in msg and "\n" not in msg
+
+
+def test_an_explicit_reference_gpu_share_and_a_disabled_reference_are_taken_as_given():
+    assert reference_gpus(from_args([*GPU_POLICY, "--ref.num_gpus", "0.5"])) == 0.5
+    cfg = from_args([*GPU_POLICY, "--ref.enabled", "false", "--ref.num_gpus", "0"])
+    validate(cfg)
+    assert reference_gpus(cfg) == 0.0 and "reference" not in group_resources(cfg)

@@ -46,14 +46,15 @@ def test_missing_gpus_fail_in_one_line_naming_the_flags():
         fit_cluster(cfg, {"CPU": 64.0, "GPU": 1.0}, [{"CPU": 64.0, "GPU": 1.0}])
     msg = str(e.value)
     assert "\n" not in msg
-    assert "needs 3 GPUs, the cluster has 1 free" in msg
+    assert "needs 4 GPUs, the cluster has 1 free" in msg  # the reference follows the policy onto a GPU
     assert "--rollout.num_engines x --rollout.num_gpus_per_engine" in msg
     assert "--actor.num_workers x --actor.num_gpus_per_worker" in msg
+    assert "reference 1 (--ref.num_gpus)" in msg
 
 
 def test_gpus_on_a_cpu_only_cluster_fail_rather_than_wait():
     cfg = smoke("--actor.num_gpus_per_worker", "1")
-    with pytest.raises(ClusterFitError, match="needs 1 GPUs, the cluster has 0 free: policy 1"):
+    with pytest.raises(ClusterFitError, match="needs 2 GPUs, the cluster has 0 free: policy 1 .*, reference 1"):
         fit_cluster(cfg, {"CPU": 2.0}, [{"CPU": 2.0}])
 
 

@@ -201,7 +201,7 @@ def test_tensor_parallel_on_cpu_engines_is_left_to_vllm():
     [
         ("rollout.num_gpus_per_engine", "1.5"),
         ("actor.num_gpus_per_worker", "2.5"),
-        ("ref.num_gpus", "-1"),
+        ("ref.num_gpus", "-0.5"),  # -1 is auto
         ("rollout.num_cpus_per_engine", "-0.5"),
         ("reward.num_cpus_per_worker", "1.25"),
         ("rollout.tensor_parallel_size", "0"),
