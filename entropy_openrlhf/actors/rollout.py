@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ if TYPE_CHECKING:  # annotations only: the engines need neither the policy nor t
 
 log = logging.getLogger(__name__)
 
+# as in actors/policy.py (not imported from there at the top: the engines need neither the policy nor the config)
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -82,6 +85,26 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     if seed is None:
         return None
     return (seed * 1_000_003 + index * 65_536) % (2**62)
+
+
+def engine_visible_devices(gpu_ids: list, visible_devices_env: str | None, noset: bool) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an engine's process, or None to leave it as Ray set it.
+
+    Ray normally sets CUDA_VISIBLE_DEVICES to the actor's own GPUs. With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    (`noset`) it does not, every engine sees the whole node, and vLLM takes cuda:0 (and 1 for TP 2): the GPUs of
+    policy rank 0 and of every other engine. So the engine narrows its own view to the GPUs Ray gave it, before vLLM
+    (and its TP worker processes, which inherit the variable) start, as OpenRLHF's vllm_engine.py does. Ray's ids are
+    physical device ids (or entries of the raylet's own CUDA_VISIBLE_DEVICES list, checked by the policy ranks'
+    `local_device_index`), which is what CUDA_VISIBLE_DEVICES takes. An engine without GPUs keeps what it has.
+    """
+    if not noset or not gpu_ids:
+        return None
+    from entropy_openrlhf.actors.policy import local_device_index  # the policy ranks' check of the same ids
+
+    ids = [str(g).strip() for g in gpu_ids]
+    for gpu in ids:  # raises naming an id the raylet's own device list does not hold
+        local_device_index([gpu], visible_devices_env, noset=True)
+    return ",".join(ids)
 
 
 GPU_MEMORY_UTILIZATION = 0.9  # of an engine's own GPUs; see engine_tuning_kwargs
@@ -152,6 +175,15 @@ class RolloutEngine:
     ):
         """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
         `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py)."""
+        # before anything in this process asks CUDA for its devices (set_cpu_defaults does): CUDA reads the variable
+        # once, at its initialisation
+        devices = engine_visible_devices(
+            ray.get_gpu_ids() if ray.is_initialized() else [],  # in-process use (benchmarks) has no Ray worker
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            bool(os.environ.get(NOSET_VISIBLE_DEVICES)),
+        )
+        if devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
         set_cpu_defaults()
         import vllm.envs  # engine-only imports (module docstring)
         from vllm import LLM

@@ -2,8 +2,13 @@
 (no GPU needed): fractional policy ranks, the reference's hardware, the engines' visible devices, where an actor
 is reported to run."""
 
+import os
+
 import pytest
 
+from entropy_openrlhf.actors.policy import NOSET_VISIBLE_DEVICES as POLICY_NOSET
+from entropy_openrlhf.actors.rollout import NOSET_VISIBLE_DEVICES as ROLLOUT_NOSET
+from entropy_openrlhf.actors.rollout import engine_visible_devices
 from entropy_openrlhf.config import ConfigError, from_args, reference_gpus, validate
 from entropy_openrlhf.preflight import group_needs
 from entropy_openrlhf.resources import group_resources
@@ -69,3 +74,54 @@ def test_an_explicit_reference_gpu_share_and_a_disabled_reference_are_taken_as_g
     cfg = from_args([*GPU_POLICY, "--ref.enabled", "false", "--ref.num_gpus", "0"])
     validate(cfg)
     assert reference_gpus(cfg) == 0.0 and "reference" not in group_resources(cfg)
+
+
+# ---------------------------------------------------------------------------------------------- engines' devices
+
+
+def test_with_noset_an_engine_sees_only_the_gpus_ray_gave_it():
+    # every engine would otherwise see the whole node and vLLM would take cuda:0 (policy rank 0's, say)
+    assert engine_visible_devices([3], None, noset=True) == "3"
+    assert engine_visible_devices(["6", "7"], "", noset=True) == "6,7"  # TP 2: both, in Ray's order
+    # raylet started with its own list: Ray's ids are physical ids from it, which is what the variable takes
+    assert engine_visible_devices([5, 4], "4,5,6,7", noset=True) == "5,4"
+
+
+def test_an_id_outside_the_raylet_s_device_list_fails_naming_it():
+    with pytest.raises(ValueError, match="Ray GPU id 2 is not in CUDA_VISIBLE_DEVICES='4,5'"):
+        engine_visible_devices([4, 2], "4,5", noset=True)
+
+
+def test_without_noset_or_without_gpus_the_engine_keeps_what_ray_set():
+    assert engine_visible_devices([3], "3", noset=False) is None  # Ray already narrowed it
+    assert engine_visible_devices([], "0,1,2,3", noset=True) is None  # a CPU engine: nothing to choose
+    assert engine_visible_devices([], None, noset=False) is None
+
+
+def test_the_engine_reads_the_same_variable_as_the_policy_ranks():
+    assert ROLLOUT_NOSET == POLICY_NOSET == "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def test_a_noset_engine_sets_its_devices_before_cuda_or_vllm_start(monkeypatch):
+    """RolloutEngine's constructor, up to the first CUDA query: the variable must already hold the engine's GPUs."""
+    import ray
+
+    from entropy_openrlhf.actors import rollout
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def first_cuda_query():  # set_cpu_defaults is the first thing that asks torch about CUDA
+        seen["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise Stop
+
+    monkeypatch.setenv(ROLLOUT_NOSET, "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [6, 7])
+    monkeypatch.setattr(rollout, "set_cpu_defaults", first_cuda_query)
+    with pytest.raises(Stop):
+        rollout.RolloutEngine("unused", tensor_parallel_size=2)
+    assert seen["visible"] == "6,7"
