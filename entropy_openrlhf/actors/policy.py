@@ -301,6 +301,8 @@ class PolicyActor:
 
         for i in range(no_grad_from, len(batches)):
             observe_old(i)
+        # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
+        add("train/old_pass_micro_batches", len(batches) - no_grad_from)
 
         # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
         params = objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob)

@@ -219,13 +219,20 @@ def test_zero3_loads_each_rank_s_shard_without_building_the_whole_model(ray_clus
     }
 
 
+SMOKE_STEP = ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"]
+
+
+def _micro_batches(cfg, n_samples: int) -> tuple[int, int]:
+    """(micro-batches per mini-batch, micro-batches in all) of one rank's train_step on n_samples."""
+    per_mini = n_samples // cfg.train.mini_batches
+    per_mini_micro = -(-per_mini // cfg.actor.micro_batch_size)
+    return per_mini_micro, per_mini_micro * cfg.train.mini_batches
+
+
 def _step_with_separate_old_pass(model_path: str, separate: bool) -> tuple[dict, dict]:
     """One kl_cov step with IS weights on; `separate` forces the no-grad old pass for every micro-batch, as a model
     with dropout gets it."""
-    cfg = from_args(
-        ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3", "--async.is_correction", "on"],
-        {"loss.type": "kl_cov"},
-    )
+    cfg = from_args([*SMOKE_STEP, "--async.is_correction", "on"], {"loss.type": "kl_cov"})
     cfg.loss.kl_cov.ratio = 0.1
     group = PolicyGroup(cfg, model_path)
     try:
@@ -240,7 +247,9 @@ def _step_with_separate_old_pass(model_path: str, separate: bool) -> tuple[dict,
 
 def test_first_mini_batch_old_log_probs_from_its_training_forward(ray_cluster, tiny_model, tmp_path):
     """The first mini-batch's old log-probs come from its training forward (the weights have not moved): the step and
-    every old-log-prob metric equal the separate no-grad pass's. A model with dropout keeps the separate pass."""
+    every old-log-prob metric equal the separate no-grad pass's. The two paths give the same numbers, so the count
+    of micro-batches the separate pass computed is what shows which one ran. A model with dropout keeps the separate
+    pass."""
     initial = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
     reused, reused_metrics = _step_with_separate_old_pass(tiny_model, separate=False)
     separate, separate_metrics = _step_with_separate_old_pass(tiny_model, separate=True)
@@ -249,12 +258,18 @@ def test_first_mini_batch_old_log_probs_from_its_training_forward(ray_cluster, t
     assert max_diff(reused, separate) < 1e-4 * update
     for key in ("entropy/seq_mean", "rollout/vllm_kl", "rollout/is_weight_mean", "loss/kl_cov_frac"):
         assert reused_metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-7), key
+    first, total = _micro_batches(from_args(SMOKE_STEP), len(fixed_batch()))
+    assert first < total  # more than one mini-batch: the separate pass has work either way
+    assert reused_metrics["train/old_pass_micro_batches"] == total - first  # all but the first mini-batch's
+    assert separate_metrics["train/old_pass_micro_batches"] == total
 
+    # a model with attention dropout: its training forward is not the eval forward, so every micro-batch takes the
+    # separate pass (packing refuses dropout in training, hence shared_prefix off)
     dropout_model = tmp_path / "dropout"
     AutoModelForCausalLM.from_pretrained(tiny_model, attention_dropout=0.1).save_pretrained(dropout_model)
-    cfg = from_args(["--preset", "smoke"])
-    group = PolicyGroup(cfg, str(dropout_model))
+    group = PolicyGroup(from_args([*SMOKE_STEP, "--train.shared_prefix", "off"]), str(dropout_model))
     try:
         assert ray.get(group.actors[0].__ray_call__.remote(lambda actor: actor.dropout_free), timeout=60) is False
+        assert group.train_step(fixed_batch(), 0)["train/old_pass_micro_batches"] == total
     finally:
         group.shutdown()
