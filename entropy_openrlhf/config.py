@@ -128,6 +128,12 @@ class LossOptions:
         "token selection (clip_cov, kl_cov, high_entropy) over: micro_batch (reference code) | global (the mini-batch, "
         "all ranks)",
     )
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus alpha: adds -alpha * H (token entropy of the current policy, aggregated like the policy loss) "
+        "to any objective's loss; 0 = off, nothing computed. With --entropy.target it is the bonus's base, which the "
+        "controller raises up to --entropy.max_bonus below the band",
+    )
 
 
 # One field per registered objective, holding its config: `cfg.loss.kl_cov.ratio` is `--loss.kl_cov.ratio`.

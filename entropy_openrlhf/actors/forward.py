@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from entropy_openrlhf.actors.prefix_packing import ATTENTION_NAME, MODES, PackedBatch, choose_packing, register
-from entropy_openrlhf.algorithms.metrics import token_entropy
+from entropy_openrlhf.algorithms.metrics import token_entropy, token_entropy_with_grad
 from entropy_openrlhf.compat import ensure_flash_attn_importable
 
 ensure_flash_attn_importable()
@@ -85,13 +85,17 @@ def to_token_grid(values: list[list[float]], batch: SeqBatch, prompt_lens: list[
 
 
 def forward_log_probs(
-    model, batch: SeqBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    model, batch: SeqBatch, *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T-1) log-probs of the actual next tokens (grad flows if enabled), and optionally their entropies.
     Both are 0 on the positions before the batch's first response token, and, for a packed batch, wherever `mask`
-    is 0. A batch with a packed layout runs on its packed rows, and the results land in this same grid."""
+    is 0. A batch with a packed layout runs on its packed rows, and the results land in this same grid.
+    The entropies are detached unless `entropy_grad` (the entropy bonus), which implies `with_entropy`."""
+    with_entropy = with_entropy or entropy_grad
     if batch.packed is not None:
-        return _packed_log_probs(model, batch, batch.packed, temperature=temperature, with_entropy=with_entropy)
+        return _packed_log_probs(
+            model, batch, batch.packed, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
     # The vocabulary projection and softmax run only from the first response position on: prompts are most of a
     # sequence, and their logits would cost about 30% of a forward and backward (measured on SmolLM2, CPU).
     start = int(batch.mask.any(dim=0).float().argmax())  # 0 when no response has a token: the full grid
@@ -102,13 +106,15 @@ def forward_log_probs(
     if temperature != 1.0:
         logits = logits / temperature
     # fp32 logits take OpenRLHF's chunked logsumexp path; half-precision ones its row loop
-    kept = log_probs_from_logits(_at_least_fp32(logits), batch.input_ids[:, start + 1 :])
+    wide = _at_least_fp32(logits)
+    kept = log_probs_from_logits(wide, batch.input_ids[:, start + 1 :])
     log_probs = kept.new_zeros(batch.mask.shape)
     log_probs[:, start:] = kept
     entropy = None
     if with_entropy:
         entropy = log_probs.new_zeros(batch.mask.shape)
-        entropy[:, start:] = token_entropy(logits)
+        # with grad: on the same tensor the log-probs' graph keeps, so the entropy's backward keeps no copy of it
+        entropy[:, start:] = token_entropy_with_grad(wide) if entropy_grad else token_entropy(logits)
     return log_probs, entropy
 
 
@@ -118,7 +124,7 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_log_probs(
-    model, batch: SeqBatch, packed: PackedBatch, *, temperature: float, with_entropy: bool
+    model, batch: SeqBatch, packed: PackedBatch, *, temperature: float, with_entropy: bool, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     start = int(packed.source_pos.min())  # logits only from the first position that predicts a response token
     width = packed.input_ids.shape[1]
@@ -131,11 +137,13 @@ def _packed_log_probs(
         picked = picked / temperature
     valid = batch.mask.bool()
     targets = batch.input_ids[:, 1:][valid]  # the same row-major order of the grid's valid cells
-    kept = log_probs_from_logits(_at_least_fp32(picked)[None], targets[None])[0]
+    wide = _at_least_fp32(picked)
+    kept = log_probs_from_logits(wide[None], targets[None])[0]
     log_probs = kept.new_zeros(batch.mask.shape)
     log_probs[valid] = kept
     entropy = None
     if with_entropy:
         entropy = log_probs.new_zeros(batch.mask.shape)  # the grid's dtype, as the plain path gives it
-        entropy[valid] = token_entropy(picked).to(entropy.dtype)
+        values = token_entropy_with_grad(wide) if entropy_grad else token_entropy(picked)
+        entropy[valid] = values.to(entropy.dtype)
     return log_probs, entropy

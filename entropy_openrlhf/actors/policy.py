@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from entropy_openrlhf.actors.weight_chunks import ExportedWeights
 from entropy_openrlhf.actors.weight_sync import WeightSender
-from entropy_openrlhf.algorithms.losses import aggregate
+from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
 from entropy_openrlhf.algorithms.metrics import entropy_stats
 from entropy_openrlhf.algorithms.objectives import (
     LossContext,
@@ -81,6 +81,8 @@ def _rendezvous_address(local: bool) -> tuple[str, int]:
 
 
 MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean
+# each rank's value is its share of the mini-batch mean (aggregate's normaliser spans all ranks): summed over ranks
+SUMMED_LOSSES = ("loss/policy", "loss/entropy_bonus")
 
 
 def _mean(values: list[float]) -> float:
@@ -228,9 +230,12 @@ class PolicyActor:
 
     # ------------------------------------------------------------------ the RL step
 
-    def train_step(self, samples: list[TrainSample], step: int, strength_scale: float = 1.0) -> dict[str, float]:
+    def train_step(
+        self, samples: list[TrainSample], step: int, strength_scale: float = 1.0, entropy_coef: float | None = None
+    ) -> dict[str, float]:
         """One RL step on this rank's shard. `strength_scale` multiplies the objective's controlled knob
-        (--entropy.target; 1 = as configured)."""
+        (--entropy.target; 1 = as configured); `entropy_coef` is the entropy bonus's coefficient for this step (the
+        controller's; None = --loss.entropy_coef)."""
         from openrlhf.models.utils import compute_approx_kl  # actor-only imports (module docstring)
 
         from entropy_openrlhf.actors.forward import forward_log_probs
@@ -307,6 +312,8 @@ class PolicyActor:
         # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
         params = objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob)
         needs_entropy = objective_needs_entropy(lc.type, lc)
+        bonus_coef = lc.entropy_coef if entropy_coef is None else float(entropy_coef)
+        with_bonus = bonus_coef > 0  # at 0 no entropy gradient is computed: the bonus off costs nothing
         self.engine.train()
         skipped = 0
         for mini in range(n_mini):
@@ -341,11 +348,14 @@ class PolicyActor:
 
             for j, i in enumerate(idx):
                 b = batches[i]
-                lp, ent = forward_log_probs(self.engine, b, with_entropy=needs_entropy or old_from_here)
+                lp, ent = forward_log_probs(
+                    self.engine, b, with_entropy=needs_entropy or old_from_here, entropy_grad=with_bonus
+                )
                 if old_from_here:
-                    old_lp[i], entropies[i] = lp.detach().float(), ent
+                    old_lp[i], entropies[i] = lp.detach().float(), ent.detach()
                     observe_old(i)
-                entropy = ent if needs_entropy else None  # computed only for the old-log-prob metrics
+                # the objective's selection reads the entropy detached; only the bonus differentiates it
+                entropy = ent.detach() if needs_entropy else None
                 batch = TokenBatch(lp, old_lp[i], adv[i], b.mask, entropy=entropy, is_weights=is_weights[i])
                 ctx = dataclasses.replace(base, generator=self._generator(step, mini, j), selected=selections[i])
                 if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
@@ -357,6 +367,10 @@ class PolicyActor:
                 if cfg.algo.kl_coef > 0 and ref_lp is not None:
                     kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
                     loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, lc.agg, base.normalizer, self.world_size)
+                if with_bonus:
+                    bonus = entropy_bonus(ent, b.mask, bonus_coef, lc.agg, base.normalizer, self.world_size)
+                    loss = loss + bonus
+                    add("loss/entropy_bonus", -bonus.item())
                 # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
                 self.engine.backward(loss, scale_wrt_gas=False)
                 self.engine.step()
@@ -373,7 +387,9 @@ class PolicyActor:
         self.version += 1
         result = {k: max(v) if k in MAX_METRICS else _mean(v) for k, v in metrics.items()}
         # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
-        result["loss/policy"] = _mean(metrics.get("loss/policy", [])) * micro_per_mini / self.world_size
+        for key in SUMMED_LOSSES:
+            result[key] = _mean(metrics.get(key, [])) * micro_per_mini / self.world_size
+        result["loss/entropy_coef"] = bonus_coef
         result["train/skipped_steps"] = float(skipped)
         result["train/lr"] = float(self.engine.optimizer.param_groups[0]["lr"])
         result["time/train_actor"] = time.time() - t0
@@ -584,8 +600,11 @@ class PolicyGroup:
         with self._submit:
             return [getattr(a, method).remote(*args) for a in self.actors]
 
-    def train_step(self, samples: list[TrainSample], step: int, strength_scale: float = 1.0) -> dict[str, float]:
-        """One RL step on all ranks; `strength_scale` is the entropy controller's (PolicyActor.train_step)."""
+    def train_step(
+        self, samples: list[TrainSample], step: int, strength_scale: float = 1.0, entropy_coef: float | None = None
+    ) -> dict[str, float]:
+        """One RL step on all ranks; `strength_scale` and `entropy_coef` are the entropy controller's
+        (PolicyActor.train_step)."""
         # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
         n, n_mini = len(self.actors), self.cfg.train.mini_batches
         per_mini = len(samples) // n_mini
@@ -595,10 +614,11 @@ class PolicyGroup:
             for r in range(n)
         ]
         with self._submit:
-            refs = [a.train_step.remote(s, step, strength_scale) for a, s in zip(self.actors, shards)]
+            refs = [a.train_step.remote(s, step, strength_scale, entropy_coef) for a, s in zip(self.actors, shards)]
         results = ray.get(refs)
         merged = {k: (max if k in MAX_METRICS else _mean)([r[k] for r in results if k in r]) for k in results[0]}
-        merged["loss/policy"] = sum(r["loss/policy"] for r in results)
+        for key in SUMMED_LOSSES:
+            merged[key] = sum(r[key] for r in results)
         merged["train/tokens"] = sum(r["train/tokens"] for r in results)
         return merged
 

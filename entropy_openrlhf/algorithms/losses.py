@@ -71,6 +71,31 @@ def aggregate(
     raise ValueError(f"unknown aggregation mode {mode!r}; expected 'token_mean' or 'seq_mean_token_mean'")
 
 
+def entropy_bonus(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    agg: AggMode = "token_mean",
+    normalizer: float | None = None,
+    dp_size: int = 1,
+) -> torch.Tensor:
+    """The entropy bonus `-coef * H` to add to any objective's loss (`--loss.entropy_coef`).
+
+    entropy: (B, L) token entropies of the current policy *with* their gradient (`token_entropy_with_grad`).
+    H is aggregated exactly as the policy loss is (`aggregate`, same mode, normalizer and dp_size), so the bonus
+    of a mini-batch does not depend on how it is split into micro-batches or ranks, and `coef` weighs it against the
+    policy loss in the same units. Padding is zeroed before the product (its entropy may be NaN on garbage logits).
+    Not importance-weighted: it regularises the current policy, not an estimate under the behaviour policy.
+    """
+    if not (math.isfinite(coef) and coef >= 0):
+        raise ValueError(f"entropy bonus coefficient {coef!r} must be a finite number >= 0")
+    if entropy.shape != mask.shape:
+        raise ValueError(f"shape mismatch: entropy {tuple(entropy.shape)}, mask {tuple(mask.shape)}")
+    valid = mask.bool()
+    h = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
+    return -coef * aggregate(h, valid, agg, normalizer, dp_size)
+
+
 def _prepare(log_probs, old_log_probs, advantages, mask):
     """fp32 copies with everything outside the mask set to 0, plus the clamped log ratio."""
     if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):

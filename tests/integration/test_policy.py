@@ -273,3 +273,41 @@ def test_first_mini_batch_old_log_probs_from_its_training_forward(ray_cluster, t
         assert group.train_step(fixed_batch(), 0)["train/old_pass_micro_batches"] == total
     finally:
         group.shutdown()
+
+
+def _bonus_group(tiny_model: str, coef: float, workers: int) -> PolicyGroup:
+    cfg = from_args(
+        ["--preset", "smoke", "--actor.num_workers", str(workers), "--actor.micro_batch_size", "2",
+         "--actor.lr", "1e-3", "--async.is_correction", "off", "--loss.entropy_coef", str(coef)],
+        {"loss.type": "ppo"},
+    )  # fmt: skip
+    return PolicyGroup(cfg, tiny_model)
+
+
+def test_entropy_bonus_changes_the_update_and_logs_its_metrics(ray_cluster, tiny_model):
+    """--loss.entropy_coef > 0 adds -alpha * H to the loss: the step moves the weights elsewhere than the same step
+    without it, and logs the bonus (alpha times the aggregated entropy, summed over the ranks' shares: about alpha
+    times the batch's token-mean entropy) and the coefficient in use. The coefficient train_step is given (the
+    entropy controller's) overrides the flag; at 0 nothing is added."""
+    plain_group = _bonus_group(tiny_model, 0.0, workers=1)
+    try:
+        plain_metrics = plain_group.train_step(fixed_batch(), 0)
+        plain = plain_group.export_weights()
+    finally:
+        plain_group.shutdown()
+    assert plain_metrics["loss/entropy_bonus"] == 0.0 and plain_metrics["loss/entropy_coef"] == 0.0
+
+    coef = 0.5
+    group = _bonus_group(tiny_model, coef, workers=2)
+    try:
+        metrics = group.train_step(fixed_batch(), 0)
+        with_bonus = group.export_weights()
+        override = group.train_step(fixed_batch(seed=1), 1, entropy_coef=0.0)
+    finally:
+        group.shutdown()
+    assert metrics["loss/entropy_coef"] == coef
+    assert metrics["loss/entropy_bonus"] == pytest.approx(coef * metrics["entropy/token_mean"], rel=0.05)
+    assert max_diff(plain, with_bonus) > 1e-5
+    # the policy loss itself is the same objective on the same batch and starting weights
+    assert metrics["loss/policy"] == pytest.approx(plain_metrics["loss/policy"], rel=0.05, abs=1e-4)
+    assert override["loss/entropy_coef"] == 0.0 and override["loss/entropy_bonus"] == 0.0
