@@ -3,9 +3,13 @@ and gloo bind the machine's external address)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 
+import psutil
 import ray
+from ray._private import ray_constants
 from ray.util.placement_group import remove_placement_group
 
 # Set in the driver before Ray starts and passed to every actor through the runtime env.
@@ -75,6 +79,10 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None)
         return False
     for key, value in actor_env().items():
         os.environ.setdefault(key, value)
+    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when it is imported: a process that imported ray before this
+    # package (a user's launcher, a benchmark) would start a head whose servers and workers listen on every
+    # interface and take the LAN address as the node's. Loopback is what this variable selects, so say it again.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
     ray.init(
         _node_ip_address="127.0.0.1",
         num_cpus=num_cpus or max(8, os.cpu_count() or 1),  # logical slots: actors share the real cores
@@ -84,7 +92,58 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None)
         runtime_env={"env_vars": actor_env()},
         log_to_driver=True,
     )
+    try:
+        check_loopback_only(ray_processes())
+    except RuntimeError:
+        ray.shutdown()
+        raise
     return True
+
+
+def ray_processes() -> list[psutil.Process]:
+    """This process and everything it started: the local Ray's GCS, raylet, dashboard agent and workers."""
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def exposed_listeners(processes: list[psutil.Process]) -> list[str]:
+    """`name (pid) address:port` for each TCP/UDP socket of `processes` that listens beyond loopback."""
+    pids = {p.pid: p for p in processes}
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.pid not in pids or not conn.laddr:
+            continue
+        if conn.type == socket.SOCK_STREAM and conn.status != psutil.CONN_LISTEN:
+            continue
+        if conn.type == socket.SOCK_DGRAM and conn.raddr:
+            continue  # a connected UDP socket sends to its peer; only an unconnected one waits for anyone
+        if not _is_loopback(conn.laddr.ip):
+            try:
+                name = pids[conn.pid].name()
+            except psutil.Error:
+                name = "?"
+            host = f"[{conn.laddr.ip}]" if ":" in conn.laddr.ip else conn.laddr.ip
+            found.append(f"{name} ({conn.pid}) {host}:{conn.laddr.port}")
+    return sorted(found)
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, how a dual-stack socket shows 127.0.0.1
+    return (mapped or address).is_loopback
+
+
+def check_loopback_only(processes: list[psutil.Process]) -> None:
+    """A local Ray runs with authentication off (RAY_AUTH_MODE=disabled): refuse to go on if any of its processes
+    listens where another machine could reach it."""
+    exposed = exposed_listeners(processes)
+    if exposed:
+        raise RuntimeError(
+            "the local Ray listens beyond loopback with authentication off, so it was stopped: "
+            + "; ".join(exposed)
+            + ". Export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Python starts, or start a head with "
+            "scripts/ray_head.sh and submit with `ray job submit`"
+        )
 
 
 # --------------------------------------------------------------------------- waiting on Ray, with deadlines

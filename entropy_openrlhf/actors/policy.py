@@ -34,6 +34,7 @@ import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from entropy_openrlhf.actors.store import init_default_group
 from entropy_openrlhf.actors.weight_chunks import ExportedWeights
 from entropy_openrlhf.actors.weight_sync import WeightSender
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
@@ -120,7 +121,11 @@ class PolicyActor:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        deepspeed.init_distributed(dist_backend="nccl" if self.cuda else "gloo")
+        # The ranks meet on a store we host, not through "env://": torch's own rendezvous server listens on every
+        # interface (actors/store.py), ours only on master_addr. DeepSpeed then adopts the initialised group.
+        backend = "nccl" if self.cuda else "gloo"
+        init_default_group(backend, master_addr, master_port, rank, world_size, cfg.ray.start_timeout_s)
+        deepspeed.init_distributed(dist_backend=backend)
         self.dtype = resolve_dtype(cfg.model.dtype, model_path)
         per_rank = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.mini_batches // world_size
         self.micro_per_step = math.ceil(per_rank / cfg.actor.micro_batch_size)

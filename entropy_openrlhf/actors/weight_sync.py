@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from entropy_openrlhf.actors.store import connect_store, serve_store
+
 SYNC_METHODS = ("auto", "object_store", "collective")
 STORE_PREFIX = "entropy_openrlhf/weight_sync"
 HANDSHAKE = 271_828.0  # first broadcast (exact in fp32): every rank joined the same group; starts NCCL
@@ -156,13 +158,14 @@ class WeightSyncGroup:
 
     @classmethod
     def host_store(cls, host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0's rendezvous store on a port the OS picks (no race with other processes for a free port)."""
-        return dist.TCPStore(host, 0, world_size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        """Rank 0's rendezvous store on a port the OS picks (no race with other processes for a free port),
+        listening on `host` only (actors/store.py)."""
+        return serve_store(host, 0, world_size, timeout_s)
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
         """A receiving rank joins the group that rank 0's store serves at host:port."""
-        store = dist.TCPStore(host, port, world_size, False, datetime.timedelta(seconds=timeout_s))
+        store = connect_store(host, port, world_size, timeout_s)
         return cls(store, rank, world_size, backend, timeout_s)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
