@@ -44,6 +44,33 @@ from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
+def actor_node_addresses(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """The address of the node each actor runs on, by group, in the order given.
+
+    Each actor reports its Ray node id, and the address is the one that node registered with Ray (NodeManagerAddress
+    in `ray.nodes()`): the fact Ray schedules by. The process's own guess of its IP (`get_node_ip_address`) can name
+    another interface, such as the host's LAN address on a Ray started on 127.0.0.1."""
+    # Asked through Ray's generic actor call, so no actor class needs a method for it. A lambda travels by value:
+    # a function of this module would make every actor import the trainer (and torch, in the verifier workers).
+    refs = {name: [a.__ray_call__.remote(lambda _actor: ray.get_runtime_context().get_node_id()) for a in actors]
+            for name, actors in groups.items()}  # fmt: skip
+    ids = wait_started([r for rs in refs.values() for r in rs], "the actors' node ids", timeout_s)
+    addresses = node_addresses(ids, ray.nodes())
+    out, i = {}, 0
+    for name, rs in refs.items():
+        out[name], i = addresses[i : i + len(rs)], i + len(rs)
+    return out
+
+
+def node_addresses(node_ids: list[str], nodes: list[dict]) -> list[str]:
+    """Each Ray node id's registered address, from `ray.nodes()`'s records (NodeID -> NodeManagerAddress)."""
+    by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+    unknown = [i for i in node_ids if i not in by_id]
+    if unknown:
+        raise RuntimeError(f"Ray node {unknown[0]} is not among the cluster's {len(by_id)} node(s) (ray.nodes())")
+    return [by_id[i] for i in node_ids]
+
+
 @dataclass
 class Batch:
     step: int
@@ -140,12 +167,7 @@ class Trainer:
         groups = {"rollout": self.rollout.actors, "policy": self.policy.actors, "reward": self.reward.workers}
         if self.reference is not None:
             groups["reference"] = [self.reference]
-        refs = {name: [a.node_ip.remote() for a in actors] for name, actors in groups.items()}
-        ips = wait_started([r for rs in refs.values() for r in rs], "the actors' node addresses", 60.0)
-        out, i = {}, 0
-        for name, rs in refs.items():
-            out[name], i = ips[i : i + len(rs)], i + len(rs)
-        return out
+        return actor_node_addresses(groups)
 
     def shutdown_groups(self) -> None:
         for name in ("rollout", "reward", "policy"):

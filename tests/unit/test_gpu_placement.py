@@ -125,3 +125,18 @@ def test_a_noset_engine_sets_its_devices_before_cuda_or_vllm_start(monkeypatch):
     with pytest.raises(Stop):
         rollout.RolloutEngine("unused", tensor_parallel_size=2)
     assert seen["visible"] == "6,7"
+
+
+# ---------------------------------------------------------------------------------------------- where actors run
+
+
+def test_an_actor_s_address_is_its_node_s_registered_one():
+    from entropy_openrlhf.pipeline.trainer import node_addresses
+
+    nodes = [  # as ray.nodes() lists them (other keys left out)
+        {"NodeID": "aa", "NodeManagerAddress": "198.18.0.1", "Alive": True},
+        {"NodeID": "bb", "NodeManagerAddress": "198.18.0.2", "Alive": True},
+    ]
+    assert node_addresses(["bb", "aa", "bb"], nodes) == ["198.18.0.2", "198.18.0.1", "198.18.0.2"]
+    with pytest.raises(RuntimeError, match="Ray node cc is not among the cluster's 2 node"):
+        node_addresses(["aa", "cc"], nodes)
