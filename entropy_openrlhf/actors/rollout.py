@@ -48,6 +48,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from entropy_openrlhf.actors.weight_chunks import DEFAULT_MAX_CHUNK_MB, MB, make_chunks, serialize_chunk
+from entropy_openrlhf.actors.weight_names import check_weight_names
 from entropy_openrlhf.actors.weight_sync import SyncEndpoint, WeightSyncError, check_devices, choose_backend
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults, wait_placement, wait_started
 from entropy_openrlhf.models.dtype import vllm_dtype
@@ -185,6 +186,10 @@ class RolloutEngine:
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
         set_cpu_defaults()
+        # before vLLM loads anything: a model whose exported weights the engine could not load fails here, in one
+        # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
+        if not check_weight_names(model_path):
+            log.warning("%s holds no safetensors checkpoint: the policy's weight names were not checked", model_path)
         import vllm.envs  # engine-only imports (module docstring)
         from vllm import LLM
 
