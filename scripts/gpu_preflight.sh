@@ -4,7 +4,9 @@
 # the trainer-vs-engine log-prob check, a train step, checkpoint, resume, W&B (entropy_openrlhf/pipeline/gpu_preflight.py).
 #   scripts/gpu_preflight.sh --pretrain /shared/models/Qwen2.5-0.5B-Instruct [--output-dir DIR] [pipeline flags]
 #   scripts/gpu_preflight.sh --cpu      # its CPU twin (tiny model, gloo), which CI runs
-# With RAY_ADDRESS set it joins that cluster; otherwise it starts Ray on this machine. Exit 0 when all pass.
+# With RAY_ADDRESS set it joins that cluster; otherwise it starts Ray on this machine. Each line is PASS, FAIL or
+# INCONCLUSIVE (the runs could not have shown a fault). Exit 0 when all pass, 1 when one fails, 3 when none fails
+# but one is inconclusive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python

@@ -13,10 +13,19 @@ The checks, and when each passes:
 - sync group: the trainer-to-engine group was built on the expected backend: NCCL on GPUs, gloo on the CPU twin;
 - weight sync: after each sync, the engines' log-probs of what they sampled are as close to the trainer's as before
   the first sync (`rollout/logprob_diff_mean` at most twice its step-0 value, plus 1e-5);
-- train step: both steps logged with a finite loss and no optimizer step skipped;
-- checkpoint: `checkpoints/step2` is complete (trainer state, DeepSpeed state, an HF model with its tokenizer);
-- resume: run 2 resumed at step 2 and trained it, its engines given the checkpoint's weights (the sync bound holds);
+- train step: both steps logged with a finite loss, a non-zero gradient and no optimizer step skipped;
+- checkpoint: `checkpoints/step2` is complete (trainer state, the DeepSpeed folder with its model and optimizer
+  states, an HF model with its weights and tokenizer);
+- resume: run 2 resumed at step 2, trained exactly step 2 and exited 0, its engines given the checkpoint's weights
+  (the sync bound holds);
 - W&B: each run's W&B folder holds its steps' metrics and W&B's own run file.
+
+Each line is PASS, FAIL or INCONCLUSIVE: nothing failed, but the runs could not have shown a fault. The weight-sync
+line is inconclusive when one step moves the log-probs by less than its bound (an engine that kept old weights
+would look like a synced one), the train-step line when a gradient was zero (every group's rewards were equal, so
+no weight moved). The exit code is 0 when every line passes, 1 when one fails, 3 when none fails but one is
+inconclusive. The CPU twin's tiny model would score 0 on every answer of the built-in task, so it is rewarded by
+the share of digits in its answers (`digit_share`): rewards that vary within a group, hence a real update.
 
 The weight-sync bound calibrates itself: step 0 runs before any sync, on the same checkpoint in both the engine
 and the trainer, so its gap is this hardware's numerical floor (about 0.03 nats in bf16 on GPUs, 1e-5 in fp32 on
@@ -45,9 +54,19 @@ SYNC_SLACK = 1e-5  # room above twice the floor when the floor is near zero (fp3
 MODE_FLAGS = {
     "gpu": ["--preset", "gpu-smoke"],
     "cpu": ["--preset", "smoke", "--actor.num_workers", "2", "--actor.zero_stage", "3", "--sync.method",
-            "collective", "--async.max_staleness", "0", "--train.save_every", "2"],
+            "collective", "--async.max_staleness", "0", "--train.save_every", "2",
+            "--reward.verifier", "entropy_openrlhf.pipeline.gpu_preflight:digit_share"],
 }  # fmt: skip
 EXPECTED_BACKEND = {"gpu": "nccl", "cpu": "gloo"}
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+DEEPSPEED_TAG = "state"  # the tag Trainer.save gives DeepSpeed's save_checkpoint (pipeline/trainer.py)
+
+
+def digit_share(response: str, label: str, *, prompt: str = "", metadata: dict | None = None) -> float:
+    """The CPU twin's reward: the share of digits in the response. The tiny random model never answers the task
+    right, and equal rewards in a group give zero advantages, a zero gradient and an update nothing can check; this
+    varies from sample to sample."""
+    return sum(ch.isdigit() for ch in response) / len(response) if response else 0.0
 
 
 @dataclass
@@ -63,8 +82,30 @@ class Run:
 @dataclass
 class Check:
     name: str
-    ok: bool
+    verdict: str  # PASS, FAIL or INCONCLUSIVE
     detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == PASS
+
+
+def _verdict(ok: bool, conclusive: bool = True) -> str:
+    return FAIL if not ok else PASS if conclusive else INCONCLUSIVE
+
+
+def checkpoint_gaps(ckpt: Path) -> list[str]:
+    """What a checkpoint folder lacks to be resumed from: its trainer state, DeepSpeed's model and optimizer states
+    (weights alone would resume with a fresh optimizer), and an HF model with weights, config and tokenizer."""
+    missing = [name for name in ("trainer_state.json", "hf/config.json", "hf/tokenizer_config.json")
+               if not (ckpt / name).is_file()]  # fmt: skip
+    if not any((ckpt / "hf").glob("*.safetensors")):
+        missing.append("hf/*.safetensors")
+    states = ckpt / "deepspeed" / DEEPSPEED_TAG
+    for kind in ("model_states", "optim_states"):
+        if not any(states.glob(f"*{kind}.pt")):
+            missing.append(f"deepspeed/{DEEPSPEED_TAG}/*{kind}.pt")
+    return missing
 
 
 def first_error(log: str) -> str:
@@ -99,20 +140,22 @@ def judge(mode: str, run1: Run, run2: Run | None, output_dir: Path) -> list[Chec
     """The seven checks from what the two runs left behind (run2 None: run 1 failed, so run 2 was not started)."""
     checks = []
     started = re.search(r"actors started in \d+ s: (.*)", run1.log)
-    checks.append(Check("engine start", bool(started), started.group(1) if started else first_error(run1.log)))
+    checks.append(
+        Check("engine start", _verdict(bool(started)), started.group(1) if started else first_error(run1.log))
+    )
 
     group = re.search(r"weight sync: collective over (\w+), (\d+) ranks", run1.log)
     want = EXPECTED_BACKEND[mode]
     if group is None:
-        checks.append(Check("sync group", False, "no collective group was built: " + first_error(run1.log)))
+        checks.append(Check("sync group", FAIL, "no collective group was built: " + first_error(run1.log)))
     else:
         backend, ranks = group.group(1), group.group(2)
-        checks.append(Check("sync group", backend == want, f"{backend}, {ranks} ranks (expected {want})"))
+        checks.append(Check("sync group", _verdict(backend == want), f"{backend}, {ranks} ranks (expected {want})"))
 
     steps1 = [m["step"] for m in run1.metrics]
     after = run1.metrics[1:] + (run2.metrics if run2 else [])  # steps whose engines were given weights by a sync
     if not run1.metrics or "rollout/logprob_diff_mean" not in run1.metrics[0] or not after:
-        checks.append(Check("weight sync", False, "no step after a sync was logged: " + first_error(run1.log)))
+        checks.append(Check("weight sync", FAIL, "no step after a sync was logged: " + first_error(run1.log)))
     else:
         floor = run1.metrics[0]["rollout/logprob_diff_mean"]
         bound = 2 * floor + SYNC_SLACK
@@ -124,32 +167,43 @@ def judge(mode: str, run1: Run, run2: Run | None, output_dir: Path) -> list[Chec
         )
         # what a stale engine would add: half a step's change, seen by the second mini-batch (loss/ppo_kl)
         moved = max((abs(m.get("loss/ppo_kl", 0.0)) for m in run1.metrics), default=0.0)
-        if moved <= bound:
+        visible = moved > bound
+        if not visible:
             detail += f"; but a step moves log-probs by only ~{_fmt(moved)}: a stale engine would go unseen"
-        checks.append(Check("weight sync", synced and all(g <= bound for g in gaps), detail))
+        checks.append(Check("weight sync", _verdict(synced and all(g <= bound for g in gaps), visible), detail))
 
     finite = all(math.isfinite(m.get("loss/policy", math.nan)) for m in run1.metrics)
     skipped = sum(m.get("train/skipped_steps", 0) for m in run1.metrics)
     train_ok = steps1 == [0, 1] and finite and skipped == 0
-    norms = ", ".join(_fmt(m.get("train/grad_norm", math.nan)) for m in run1.metrics)
+    grad_norms = [m.get("train/grad_norm", math.nan) for m in run1.metrics]
+    # a zero gradient (every group's rewards equal) moves no weight: the step ran, but nothing it did can be checked
+    updated = bool(grad_norms) and all(g > 0 for g in grad_norms)
+    norms = ", ".join(_fmt(g) for g in grad_norms)
     detail = f"steps {steps1}, loss finite: {finite}, skipped optimizer steps: {skipped:g}, grad norms {norms}"
-    checks.append(Check("train step", train_ok, detail if run1.metrics else first_error(run1.log)))
+    if train_ok and not updated:
+        detail += ": a zero gradient moved no weight, so the update went unchecked (rewards all equal in a group?)"
+    checks.append(Check("train step", _verdict(train_ok, updated), detail if run1.metrics else first_error(run1.log)))
 
     ckpt = output_dir / "checkpoints" / f"step{CHECKPOINT_STEP}"
-    needed = ["trainer_state.json", "deepspeed", "hf/config.json", "hf/tokenizer_config.json"]
-    missing = [name for name in needed if not (ckpt / name).exists()]
+    missing = checkpoint_gaps(ckpt)
     checks.append(
-        Check("checkpoint", not missing, f"{ckpt} " + (f"lacks {', '.join(missing)}" if missing else "complete"))
-    )
+        Check("checkpoint", _verdict(not missing),
+              f"{ckpt} " + (f"lacks {', '.join(missing)}" if missing else "complete"))
+    )  # fmt: skip
 
     if run2 is None:
-        checks.append(Check("resume", False, "not tried: run 1 failed"))
+        checks.append(Check("resume", FAIL, "not tried: run 1 failed"))
     else:
         resumed = re.search(rf"resumed from \S+ at step {CHECKPOINT_STEP}\b", run2.log)
         steps2 = [m["step"] for m in run2.metrics]
-        ok = bool(resumed) and steps2 == [CHECKPOINT_STEP] and run2.code == 0
-        checks.append(Check("resume", ok, f"resumed at step {CHECKPOINT_STEP}, trained steps {steps2}"
-                            if ok else first_error(run2.log)))  # fmt: skip
+        # all three: a run that started over trains other steps, one that crashed after its step exits non-zero
+        problems = [
+            *([] if resumed else [f"no 'resumed from ... at step {CHECKPOINT_STEP}' line"]),
+            *([] if steps2 == [CHECKPOINT_STEP] else [f"trained steps {steps2}, expected [{CHECKPOINT_STEP}]"]),
+            *([] if run2.code == 0 else [f"exit code {run2.code}: {first_error(run2.log)}"]),
+        ]
+        detail = f"resumed at step {CHECKPOINT_STEP}, trained steps {steps2}"
+        checks.append(Check("resume", _verdict(not problems), "; ".join(problems) or detail))
 
     problems = []
     for i, run in enumerate([run1] + ([run2] if run2 else []), start=1):
@@ -158,13 +212,20 @@ def judge(mode: str, run1: Run, run2: Run | None, output_dir: Path) -> list[Chec
         elif not list(run.run_dir.glob("*.wandb")):
             problems.append(f"run {i}: no W&B run file in {run.run_dir}")
     where = ", ".join(str(r.run_dir) for r in (run1, run2) if r and r.run_dir)
-    checks.append(Check("W&B", not problems and run2 is not None, "; ".join(problems) or where))
+    checks.append(Check("W&B", _verdict(not problems and run2 is not None), "; ".join(problems) or where))
     return checks
 
 
 def report(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
-    return "\n".join(f"{'PASS' if c.ok else 'FAIL'}  {c.name.ljust(width)}  {c.detail}" for c in checks)
+    verdict_width = max(len(c.verdict) for c in checks)
+    return "\n".join(f"{c.verdict.ljust(verdict_width)}  {c.name.ljust(width)}  {c.detail}" for c in checks)
+
+
+def exit_code(checks: list[Check]) -> int:
+    """0: every line passed; 1: one failed; 3: none failed, but one could not tell."""
+    verdicts = {c.verdict for c in checks}
+    return 1 if FAIL in verdicts else 3 if INCONCLUSIVE in verdicts else 0
 
 
 def run_pipeline(flags: list[str], log_path: Path, timeout_s: float) -> tuple[int, str]:
@@ -216,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         run2 = load_run(*run_pipeline(flags2, out / "run2.log", args.timeout_s))
     checks = judge(mode, run1, run2, out)
     print(report(checks), flush=True)
-    return 0 if all(c.ok for c in checks) else 1
+    return exit_code(checks)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from entropy_openrlhf.pipeline.gpu_preflight import CHECKS, Run, judge, load_run, main
+from entropy_openrlhf.pipeline.gpu_preflight import (
+    CHECKS,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    Check,
+    Run,
+    digit_share,
+    exit_code,
+    judge,
+    load_run,
+    main,
+    report,
+)
 
 
 def good_log(run_dir: Path, backend: str = "nccl", resumed: bool = False) -> str:
@@ -21,8 +34,9 @@ def good_log(run_dir: Path, backend: str = "nccl", resumed: bool = False) -> str
 
 
 def step(i: int, gap: float, **extra) -> dict:
+    # a step moves log-probs by 0.1 (loss/ppo_kl), above the sync bound of a 0.03 floor: a stale engine would show
     return {"step": i, "rollout/logprob_diff_mean": gap, "time/sync": 0.0 if i == 0 else 1.5,
-            "loss/policy": 0.1, "train/skipped_steps": 0.0, "train/grad_norm": 0.7, "loss/ppo_kl": 0.01,
+            "loss/policy": 0.1, "train/skipped_steps": 0.0, "train/grad_norm": 0.7, "loss/ppo_kl": 0.1,
             **extra}  # fmt: skip
 
 
@@ -34,32 +48,50 @@ def make_run(tmp_path: Path, name: str, metrics: list[dict], backend="nccl", res
     return load_run(code, good_log(run_dir, backend, resumed))
 
 
+# what Trainer.save leaves for two ZeRO-3 ranks (DeepSpeed's file names under the tag "state")
+CHECKPOINT_FILES = (
+    "trainer_state.json",
+    "deepspeed/latest",
+    "deepspeed/state/zero_pp_rank_0_mp_rank_00_model_states.pt",
+    "deepspeed/state/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    "deepspeed/state/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "hf/config.json",
+    "hf/model.safetensors",
+    "hf/tokenizer_config.json",
+)
+
+
 @pytest.fixture
 def out(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step2"
-    (ckpt / "deepspeed").mkdir(parents=True)
-    (ckpt / "hf").mkdir()
-    for name in ("trainer_state.json", "hf/config.json", "hf/tokenizer_config.json"):
+    for name in CHECKPOINT_FILES:
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / name).write_text("{}")
     return tmp_path
 
 
-def verdicts(checks) -> dict[str, bool]:
+def verdicts(checks) -> dict[str, str]:
     assert [c.name for c in checks] == list(CHECKS)
-    return {c.name: c.ok for c in checks}
+    return {c.name: c.verdict for c in checks}
+
+
+def good_runs(out: Path) -> tuple[Run, Run]:
+    return make_run(out, "r1", [step(0, 0.030), step(1, 0.034)]), make_run(out, "r2", [step(2, 0.029)], resumed=True)
 
 
 def test_a_good_gpu_run_passes_every_check(out):
     run1 = make_run(out, "r1", [step(0, 0.030), step(1, 0.034)])
     run2 = make_run(out, "r2", [step(2, 0.029)], resumed=True)
-    assert all(verdicts(judge("gpu", run1, run2, out)).values())
+    checks = judge("gpu", run1, run2, out)
+    assert set(verdicts(checks).values()) == {PASS} and exit_code(checks) == 0
 
 
 def test_an_engine_that_kept_old_weights_fails_the_sync_check_only(out):
     run1 = make_run(out, "r1", [step(0, 0.030), step(1, 0.034)])
     run2 = make_run(out, "r2", [step(2, 0.075)], resumed=True)  # resumed engines never got the checkpoint
     result = verdicts(judge("gpu", run1, run2, out))
-    assert result.pop("weight sync") is False and all(result.values())
+    assert result.pop("weight sync") == FAIL and set(result.values()) == {PASS}
 
 
 def test_the_bound_is_twice_the_floor_plus_the_slack(out):
@@ -72,14 +104,22 @@ def test_the_bound_is_twice_the_floor_plus_the_slack(out):
 def test_a_sync_that_never_ran_fails(out):
     run1 = make_run(out, "r1", [step(0, 0.03), step(1, 0.03, **{"time/sync": 0.0})])
     run2 = make_run(out, "r2", [step(2, 0.03)], resumed=True)
-    assert verdicts(judge("gpu", run1, run2, out))["weight sync"] is False
+    assert verdicts(judge("gpu", run1, run2, out))["weight sync"] == FAIL
 
 
-def test_a_step_too_small_to_tell_a_stale_engine_says_so(out):
+def test_a_step_too_small_to_tell_a_stale_engine_is_inconclusive_not_a_pass(out):
+    # one step moves log-probs by 1e-4, far below the bound (0.06): a stale engine would pass too
     run1 = make_run(out, "r1", [step(0, 0.03, **{"loss/ppo_kl": 1e-4}), step(1, 0.03, **{"loss/ppo_kl": 1e-4})])
     run2 = make_run(out, "r2", [step(2, 0.03)], resumed=True)
-    sync = next(c for c in judge("gpu", run1, run2, out) if c.name == "weight sync")
-    assert sync.ok and "a stale engine would go unseen" in sync.detail
+    checks = judge("gpu", run1, run2, out)
+    result = verdicts(checks)
+    assert result.pop("weight sync") == INCONCLUSIVE and set(result.values()) == {PASS}
+    sync = next(c for c in checks if c.name == "weight sync")
+    assert "a stale engine would go unseen" in sync.detail
+    assert exit_code(checks) == 3  # not a pass, and nothing failed
+    # ... but a gap beyond the bound still fails, whatever the step's size
+    run2_stale = make_run(out, "r3", [step(2, 0.09)], resumed=True)
+    assert verdicts(judge("gpu", run1, run2_stale, out))["weight sync"] == FAIL
 
 
 def test_gloo_on_gpus_fails_the_group_check(out):
@@ -87,7 +127,7 @@ def test_gloo_on_gpus_fails_the_group_check(out):
     run2 = make_run(out, "r2", [step(2, 0.03)], resumed=True)
     group = next(c for c in judge("gpu", run1, run2, out) if c.name == "sync group")
     assert not group.ok and "expected nccl" in group.detail
-    assert verdicts(judge("cpu", run1, run2, out))["sync group"] is True
+    assert verdicts(judge("cpu", run1, run2, out))["sync group"] == PASS
 
 
 def test_skipped_or_non_finite_steps_fail_the_train_check(out):
@@ -95,21 +135,59 @@ def test_skipped_or_non_finite_steps_fail_the_train_check(out):
     skipped = make_run(out, "a", [step(0, 0.03), step(1, 0.03, **{"train/skipped_steps": 1.0})])
     nan = make_run(out, "b", [step(0, 0.03, **{"loss/policy": float("nan")}), step(1, 0.03)])
     for run1 in (skipped, nan):
-        assert verdicts(judge("gpu", run1, run2, out))["train step"] is False
+        assert verdicts(judge("gpu", run1, run2, out))["train step"] == FAIL
 
 
-def test_an_incomplete_checkpoint_fails(out):
-    (out / "checkpoints" / "step2" / "hf" / "tokenizer_config.json").unlink()
-    run1 = make_run(out, "r1", [step(0, 0.03), step(1, 0.03)])
+def test_a_zero_gradient_makes_the_train_step_inconclusive(out):
+    """Equal rewards in every group: zero advantages, zero gradient, no weight moved. The step ran without an
+    error, but it cannot have shown that the update works."""
+    run1 = make_run(out, "r1", [step(0, 0.03), step(1, 0.03, **{"train/grad_norm": 0.0})])
     run2 = make_run(out, "r2", [step(2, 0.03)], resumed=True)
+    checks = judge("gpu", run1, run2, out)
+    train = next(c for c in checks if c.name == "train step")
+    assert train.verdict == INCONCLUSIVE and "zero gradient" in train.detail
+    assert exit_code(checks) == 3
+
+
+@pytest.mark.parametrize("lost", [name for name in CHECKPOINT_FILES if name != "deepspeed/latest"])
+def test_a_checkpoint_without_any_of_its_parts_fails(out, lost):
+    ckpt_dir = out / "checkpoints" / "step2"
+    (ckpt_dir / lost).unlink()
+    # every rank's file of a kind gone: the kind is missing (DeepSpeed writes one per rank)
+    for other in ckpt_dir.glob(lost.replace("rank_0", "rank_*").replace("rank_1", "rank_*")):
+        other.unlink()
+    run1, run2 = good_runs(out)
     ckpt = next(c for c in judge("gpu", run1, run2, out) if c.name == "checkpoint")
-    assert not ckpt.ok and "hf/tokenizer_config.json" in ckpt.detail
+    assert ckpt.verdict == FAIL, lost
+    wanted = {"model_states": "deepspeed/state/*model_states.pt", "optim_states": "deepspeed/state/*optim_states.pt",
+              "safetensors": "hf/*.safetensors"}  # fmt: skip
+    assert next((w for k, w in wanted.items() if k in lost), lost) in ckpt.detail
 
 
-def test_a_run_2_that_started_over_fails_the_resume_check(out):
+def test_a_checkpoint_without_its_deepspeed_folder_fails(out):
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step2" / "deepspeed")
+    run1, run2 = good_runs(out)
+    ckpt = next(c for c in judge("gpu", run1, run2, out) if c.name == "checkpoint")
+    assert ckpt.verdict == FAIL and "deepspeed/state/*model_states.pt" in ckpt.detail
+
+
+@pytest.mark.parametrize(
+    ("resumed", "steps", "code", "why"),
+    [
+        (False, [0, 1, 2], 0, "no 'resumed from"),  # started over
+        (True, [2, 3], 0, "trained steps [2, 3], expected [2]"),  # resumed, then trained past the run's end
+        (True, [3], 0, "trained steps [3], expected [2]"),  # skipped the checkpoint's step
+        (True, [], 0, "trained steps [], expected [2]"),  # resumed and trained nothing
+        (True, [2], 1, "exit code 1"),  # trained its step, then crashed
+    ],
+)
+def test_the_resume_check_needs_the_resumed_line_the_step_and_a_clean_exit(out, resumed, steps, code, why):
     run1 = make_run(out, "r1", [step(0, 0.03), step(1, 0.03)])
-    fresh = make_run(out, "r2", [step(0, 0.03), step(1, 0.03), step(2, 0.03)], resumed=False)
-    assert verdicts(judge("gpu", run1, fresh, out))["resume"] is False
+    run2 = make_run(out, "r2", [step(i, 0.03) for i in steps], resumed=resumed, code=code)
+    resume = next(c for c in judge("gpu", run1, run2, out) if c.name == "resume")
+    assert resume.verdict == FAIL and why in resume.detail, resume.detail
 
 
 def test_a_run_that_failed_at_start_names_its_error(out):
@@ -118,7 +196,7 @@ def test_a_run_that_failed_at_start_names_its_error(out):
     engine = checks[0]
     assert not engine.ok and engine.detail.startswith("error: the run does not fit")
     result = verdicts(checks)
-    assert not any(v for k, v in result.items() if k != "checkpoint")  # the fixture's checkpoint is not run 1's
+    assert {v for k, v in result.items() if k != "checkpoint"} == {FAIL}  # the fixture's checkpoint is not run 1's
 
 
 def test_a_missing_wandb_run_file_fails(out):
@@ -136,3 +214,20 @@ def test_gpu_mode_needs_pretrain_and_a_new_folder(tmp_path, capsys):
     (tmp_path / "used" / "run1.log").write_text("")
     assert main(["--cpu", "--output-dir", str(tmp_path / "used")]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_the_report_and_exit_code_tell_the_three_verdicts_apart():
+    checks = [Check("train step", PASS, "a"), Check("weight sync", INCONCLUSIVE, "b")]
+    lines = report(checks).splitlines()
+    assert lines[0].startswith("PASS          train step ") and lines[1].startswith("INCONCLUSIVE  weight sync")
+    assert exit_code(checks) == 3
+    assert exit_code([*checks, Check("resume", FAIL, "c")]) == 1
+    assert exit_code(checks[:1]) == 0
+    assert report(checks[:1]) == "PASS  train step  a"  # all passed: the format docs/cluster.md shows
+
+
+def test_the_cpu_twin_rewards_vary_with_the_answer():
+    """The twin's tiny model never answers right: a reward that varies within a group is what gives it a gradient."""
+    assert digit_share("", "7") == 0.0
+    assert digit_share("ab12", "7") == 0.5
+    assert digit_share("1234", "0") == 1.0
