@@ -228,7 +228,15 @@ class RefConfig:
 class EvalConfig:
     every: int = _f(0, "evaluate on data.test every N steps (0 = off)")
     max_samples: int = _f(64, "rows used from each test set (0 = all; scripts/evaluate.py defaults to all)")
-    n_samples: int = _f(1, "samples per prompt for avg@k on aime/amc sources (T=0.6); others greedy")
+    n_samples: int = _f(
+        1,
+        "responses sampled per prompt at eval.temperature. aime/aime25/amc sources: their acc is avg@n (the "
+        "paper's protocol); every source, when > 1: pass@k for k = 1, 2, 4, ... n, maj@n and 95% bootstrap "
+        "intervals of pass@1 and pass@n (other sources' acc stays greedy)",
+    )
+    temperature: float = _f(0.6, "sampling temperature of the eval.n_samples responses (the paper's 0.6)")
+    bootstrap: int = _f(1000, "bootstrap resamples of the prompts for the 95% intervals of pass@1 and pass@n")
+    output_json: str = _f("", "scripts/evaluate.py: also write every metric to this JSON file")
 
 
 @dataclass
@@ -441,6 +449,11 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.async_.is_correction in ("auto", "on", "off"), "async.is_correction", "auto | on | off")
     need(cfg.async_.is_cap >= 1, "async.is_cap", "must be >= 1")
     need(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
+    need(cfg.eval.n_samples >= 1, "eval.n_samples", f"{cfg.eval.n_samples} must be >= 1")
+    need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0 (greedy accuracy is reported anyway)")
+    need(
+        cfg.eval.bootstrap >= 100, "eval.bootstrap", f"{cfg.eval.bootstrap}: at least 100 resamples for a 95% interval"
+    )
     need(cfg.rollout.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -114,3 +115,70 @@ def covariance_stats(log_probs: torch.Tensor, advantages: torch.Tensor, mask: to
         "min": float(cov.min()),
         "frac_positive": float((cov > 0).float().mean()),
     }
+
+
+# --------------------------------------------------------------------------- evaluation: pass@k, majority vote
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) for one prompt with `n` sampled responses of which `c` are correct: the
+    chance that k responses drawn without replacement from the n include a correct one, 1 - C(n-c, k) / C(n, k).
+
+    Computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i), the same quantity without binomials, so it stays exact to float
+    precision for n in the thousands (C(n, k) alone overflows a float near n = 1030, k = n/2)."""
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"pass_at_k: {name} must be an int, got {value!r}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k must be in [1, n] = [1, {n}], got {k}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c (correct responses) must be in [0, n] = [0, {n}], got {c}")
+    if n - c < k:
+        return 1.0  # every draw of k responses includes a correct one
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def pass_at_k_ladder(n: int) -> list[int]:
+    """The k reported for n samples: 1, 2, 4, ... up to n, and n itself."""
+    ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    """maj@n for one prompt: whether the answer given most often (ties: the one given first) was judged correct.
+    Responses without an extracted answer (None or "") do not vote; with no vote at all the prompt counts wrong."""
+    counts: dict[str, int] = {}
+    verdict: dict[str, bool] = {}
+    for answer, ok in zip(answers, correct):
+        if not answer:
+            continue
+        counts[answer] = counts.get(answer, 0) + 1
+        verdict.setdefault(answer, ok)  # one string, one label: the verifier's verdict is the same for each copy
+    if not counts:
+        return False
+    top = max(counts.values())
+    winner = next(a for a in counts if counts[a] == top)  # dicts keep insertion order: the first one given
+    return verdict[winner]
+
+
+def bootstrap_interval(
+    per_prompt: list[list[float]], *, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile interval of the mean over groups of per-prompt values, resampling prompts with replacement
+    within each group (one group per data source; the statistic is the mean of the groups' means, as the
+    averaged eval metrics are). Prompts, not responses, are the unit: a prompt's n responses are not independent."""
+    rng = np.random.default_rng(seed)
+    means = np.zeros(resamples)
+    for values in per_prompt:
+        v = np.asarray(values, dtype=np.float64)
+        if v.size == 0:
+            raise ValueError("bootstrap_interval: a group has no prompts")
+        picks = rng.integers(0, v.size, size=(resamples, v.size))
+        means += v[picks].mean(axis=1)
+    means /= len(per_prompt)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)

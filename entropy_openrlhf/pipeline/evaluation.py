@@ -1,38 +1,99 @@
-"""Evaluation with the paper's protocol: avg@k sampled at T=0.6 for data sources named aime / aime25 / amc, greedy
-pass@1 for every other source. Used in training (every `eval.every` steps) and by scripts/evaluate.py."""
+"""Evaluation on held-out prompts, used in training (every `eval.every` steps) and by scripts/evaluate.py.
+
+Two protocols, both reported when `eval.n_samples` > 1:
+- Accuracy, the paper's: greedy pass@1 for every source except those named aime / aime25 / amc, whose accuracy is
+  avg@n over `eval.n_samples` responses sampled at `eval.temperature` (0.6). Metrics `eval/<source>/acc` and
+  `eval/acc` (the mean over sources).
+- Exploration, pass@k: `eval.n_samples` responses per prompt sampled at `eval.temperature`, for every source.
+  A policy that still explores finds answers a collapsed one no longer samples; pass@k for large k shows it where
+  greedy accuracy cannot. Per source and averaged over sources: `pass@k` for k = 1, 2, 4, ... n (the unbiased
+  estimator), `maj@n` (majority vote over the verifier's extracted answers, `reward_info["pred"]`), and 95%
+  bootstrap intervals over prompts for pass@1 and pass@n (`pass@1_ci95_low` / `_high`).
+The aime/amc sources' sampled responses serve both protocols: they are generated once.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from entropy_openrlhf.algorithms.metrics import bootstrap_interval, majority_correct, pass_at_k, pass_at_k_ladder
 from entropy_openrlhf.config import Config
-from entropy_openrlhf.samples import PromptItem
+from entropy_openrlhf.samples import PromptItem, Sample
 
 SAMPLED_SOURCES = ("aime", "aime25", "amc")
 
 
+def _source(s: Sample | PromptItem) -> str:
+    return s.data_source or "default"
+
+
 def evaluate(rollout, reward, items: list[PromptItem], cfg: Config) -> dict[str, float]:
-    """Metrics `eval/<source>/acc`, `eval/acc` (mean over sources) and `eval/response_len`."""
-    sampled = [p for p in items if p.data_source.lower() in SAMPLED_SOURCES]
-    greedy = [p for p in items if p.data_source.lower() not in SAMPLED_SOURCES]
-    samples = []
-    if greedy:
-        samples += rollout.generate(
-            greedy, n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+    """Every eval metric of `items` (module docstring); {} when there are none."""
+    n = max(1, cfg.eval.n_samples)
+    competition = [p for p in items if p.data_source.lower() in SAMPLED_SOURCES]
+    greedy_items = [p for p in items if p.data_source.lower() not in SAMPLED_SOURCES]
+    sampled_items = items if n > 1 else competition
+    greedy, sampled = [], []
+    if greedy_items:
+        greedy = rollout.generate(
+            greedy_items, n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
             seed=cfg.train.seed, policy_version=-1,
         )  # fmt: skip
-    if sampled:
-        samples += rollout.generate(
-            sampled, n=max(1, cfg.eval.n_samples), temperature=0.6, top_p=1.0,
+    if sampled_items:
+        sampled = rollout.generate(
+            sampled_items, n=n, temperature=cfg.eval.temperature, top_p=1.0,
             max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed, policy_version=-1,
         )  # fmt: skip
-    if not samples:
+    if not greedy and not sampled:
         return {}
-    samples, _ = reward.score(samples)
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for s in samples:
-        by_source[s.data_source or "default"].append(1.0 if s.acc else 0.0)
-    out = {f"eval/{src}/acc": sum(v) / len(v) for src, v in sorted(by_source.items())}
+    scored, _ = reward.score(greedy + sampled)
+    greedy, sampled = scored[: len(greedy)], scored[len(greedy) :]
+
+    # accuracy: greedy where a source was generated greedily, else avg@n of its samples
+    acc: dict[str, list[float]] = defaultdict(list)
+    for s in greedy:
+        acc[_source(s)].append(float(s.acc))
+    for s in sampled:
+        if s.data_source.lower() in SAMPLED_SOURCES:
+            acc[_source(s)].append(float(s.acc))
+    out = {f"eval/{src}/acc": sum(v) / len(v) for src, v in sorted(acc.items())}
     out["eval/acc"] = sum(out.values()) / len(out)
-    out["eval/response_len"] = sum(len(s.response_token_ids) for s in samples) / len(samples)
+    lengths = [len(s.response_token_ids) for s in greedy + sampled]
+    out["eval/response_len"] = sum(lengths) / len(lengths)
+    if n > 1:
+        out.update(pass_at_k_metrics(sampled, n, cfg.eval.bootstrap, cfg.train.seed))
+    return out
+
+
+def pass_at_k_metrics(samples: list[Sample], n: int, resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+    """pass@k, maj@n and the bootstrap intervals of pass@1 and pass@n, per source and averaged over sources, from
+    `n` scored responses per prompt."""
+    by_prompt: dict[tuple[str, int], list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_prompt[(_source(s), s.prompt_index)].append(s)
+    sources = sorted({src for src, _ in by_prompt})
+    ks = pass_at_k_ladder(n)
+    # per source, per k: the per-prompt values whose mean is the metric
+    values: dict[str, dict[str, list[float]]] = {src: defaultdict(list) for src in sources}
+    for (src, _), group in by_prompt.items():
+        if len(group) != n:
+            raise ValueError(f"pass@k: prompt {group[0].prompt_index} of {src!r} has {len(group)} responses, not {n}")
+        correct = sum(bool(s.acc) for s in group)
+        for k in ks:
+            values[src][f"pass@{k}"].append(pass_at_k(n, correct, k))
+        answers = [s.reward_info.get("pred") if isinstance(s.reward_info, dict) else None for s in group]
+        values[src][f"maj@{n}"].append(float(majority_correct(answers, [bool(s.acc) for s in group])))
+
+    out: dict[str, float] = {}
+    for name in [f"pass@{k}" for k in ks] + [f"maj@{n}"]:
+        means = [sum(values[src][name]) / len(values[src][name]) for src in sources]
+        for src, mean in zip(sources, means):
+            out[f"eval/{src}/{name}"] = mean
+        out[f"eval/{name}"] = sum(means) / len(means)
+    for name in dict.fromkeys(["pass@1", f"pass@{n}"]):  # pass@1 == pass@n when n == 1: one interval
+        for src in sources:
+            low, high = bootstrap_interval([values[src][name]], resamples=resamples, seed=seed)
+            out[f"eval/{src}/{name}_ci95_low"], out[f"eval/{src}/{name}_ci95_high"] = low, high
+        low, high = bootstrap_interval([values[src][name] for src in sources], resamples=resamples, seed=seed)
+        out[f"eval/{name}_ci95_low"], out[f"eval/{name}_ci95_high"] = low, high
     return out

@@ -42,9 +42,17 @@ def test_evaluate_script_prints_a_table_per_source_and_the_average(ray_cluster, 
             "--eval.max_samples", "2",
             "--rollout.max_new_tokens", "8",
             "--train.output_dir", str(tmp_path / "out"),
+            "--eval.output_json", str(tmp_path / "eval.json"),
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    table = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()[-3:]}
-    assert table == {"amc": 1.0, "math": 0.0, "average": 0.5}
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["amc"], ["math"], ["average"])]
+    assert {r[0]: float(r[1]) for r in rows} == {"amc": 1.0, "math": 0.0, "average": 0.5}
+    # two samples per prompt of every source: pass@k and its intervals, in the table and the JSON file
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["eval/amc/pass@1"] == result["eval/amc/pass@2"] == 1.0
+    assert result["eval/math/pass@2"] == 0.0 and result["eval/pass@2"] == 0.5
+    assert result["eval/math/pass@2_ci95_low"] == result["eval/math/pass@2_ci95_high"] == 0.0
+    assert result["eval/amc/maj@2"] == 0.0  # this verifier returns no `pred`: no answer gets a vote
+    assert "pass@2" in out and "pass@1 95% CI" in out

@@ -1,7 +1,14 @@
 """The evaluation protocol's routing and arithmetic (pipeline/evaluation.py), with stand-ins for the rollout and
-reward groups: which prompts are sampled at T=0.6 and how often, which are greedy, and how accuracies are averaged.
-The real groups run it in tests/integration/test_evaluation.py."""
+reward groups: which prompts are sampled and how often, which are greedy, how accuracies are averaged, and pass@k /
+maj@n against counts made by brute force. The real groups run it in tests/integration/test_evaluation.py."""
 
+import itertools
+import math
+import random
+
+import pytest
+
+from entropy_openrlhf.algorithms.metrics import bootstrap_interval, majority_correct, pass_at_k, pass_at_k_ladder
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
@@ -10,11 +17,18 @@ from entropy_openrlhf.samples import PromptItem, Sample
 class RecordingRollout:
     """Answers `n` responses per prompt and records each call's sampling settings."""
 
-    def __init__(self):
+    def __init__(self, answers: dict[int, list[str]] | None = None):
         self.calls = []
+        self.answers = answers
+
+    @staticmethod
+    def sample(p, response: str, policy_version: int) -> Sample:
+        return Sample(p.index, p.prompt, [1], response, [7], [0.0], p.label, policy_version, data_source=p.data_source)
 
     def generate(self, items, *, n, temperature, top_p, max_new_tokens, seed, policy_version):
         self.calls.append({"sources": [p.data_source for p in items], "n": n, "temperature": temperature})
+        if self.answers is not None:  # prompt index -> the n responses it gets
+            return [self.sample(p, r, policy_version) for p in items for r in self.answers[p.index][:n]]
         return [
             Sample(
                 prompt_index=p.index,
@@ -38,6 +52,7 @@ class LabelIsAnswer:
     def score(self, samples):
         for s in samples:
             s.acc = s.response == s.label
+            s.reward_info = {"pred": s.response or None}  # "" = no answer extracted
         return samples, {}
 
 
@@ -45,16 +60,26 @@ def item(index: int, source: str, label: str) -> PromptItem:
     return PromptItem(index, f"q{index}", label, source, {})
 
 
-def test_competition_sources_are_sampled_k_times_and_the_rest_greedy():
-    cfg = from_args(["--eval.n_samples", "4"])
+def test_with_one_sample_competition_sources_are_sampled_and_the_rest_greedy():
+    items = [item(0, "AIME", "r0"), item(1, "math", "r0"), item(2, "amc", "r0"), item(3, "aime25", "r0")]
+    rollout = RecordingRollout()
+    out = evaluate(rollout, LabelIsAnswer(), items, from_args([]))
+    assert rollout.calls == [
+        {"sources": ["math"], "n": 1, "temperature": 0.0},
+        {"sources": ["AIME", "amc", "aime25"], "n": 1, "temperature": 0.6},
+    ]
+    assert not [k for k in out if "pass@" in k or "maj@" in k]  # one sample: no pass@k to report
+
+
+def test_with_n_samples_every_source_is_sampled_once_at_eval_temperature_and_greedy_stays():
+    cfg = from_args(["--eval.n_samples", "4", "--eval.temperature", "1.0"])
     items = [item(0, "AIME", "r0"), item(1, "math", "r0"), item(2, "amc", "r0"), item(3, "aime25", "r0")]
     rollout = RecordingRollout()
     evaluate(rollout, LabelIsAnswer(), items, cfg)
-    greedy = [c for c in rollout.calls if c["temperature"] == 0.0]
-    sampled = [c for c in rollout.calls if c["temperature"] == 0.6]
-    assert len(greedy) == len(sampled) == 1
-    assert greedy[0] == {"sources": ["math"], "n": 1, "temperature": 0.0}
-    assert sampled[0]["sources"] == ["AIME", "amc", "aime25"] and sampled[0]["n"] == 4
+    assert rollout.calls == [
+        {"sources": ["math"], "n": 1, "temperature": 0.0},
+        {"sources": ["AIME", "math", "amc", "aime25"], "n": 4, "temperature": 1.0},
+    ]
 
 
 def test_avg_at_k_per_source_and_the_average_over_sources_not_samples():
@@ -71,11 +96,105 @@ def test_avg_at_k_per_source_and_the_average_over_sources_not_samples():
     assert abs(out["eval/math/acc"] - 2 / 3) < 1e-12
     assert out["eval/default/acc"] == 1.0
     assert abs(out["eval/acc"] - (0.25 + 2 / 3 + 1.0) / 3) < 1e-12
-    # four aime responses of 1..4 tokens, four greedy responses of 1 token
-    assert out["eval/response_len"] == (1 + 2 + 3 + 4 + 4 * 1) / 8
+    # with n = 4 every prompt is also sampled (responses of 1..4 tokens); four greedy responses of 1 token
+    assert out["eval/response_len"] == (5 * (1 + 2 + 3 + 4) + 4 * 1) / (5 * 4 + 4)
 
 
 def test_no_prompts_no_metrics():
     rollout = RecordingRollout()
     assert evaluate(rollout, LabelIsAnswer(), [], from_args([])) == {}
     assert rollout.calls == []
+
+
+# ----------------------------------------------------------------------------------------------- pass@k, maj@n
+
+
+def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """The share of all k-subsets of n responses (c of them correct) that hold a correct one, counted."""
+    responses = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(responses[i] for i in subset) for subset in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 10])
+def test_pass_at_k_is_the_brute_force_count(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_stable_for_thousands_of_samples():
+    # against exact integer binomials (Python ints do not overflow)
+    for n, c, k in [(2000, 3, 1000), (5000, 1, 1), (5000, 10, 64), (4096, 4000, 2048), (3000, 0, 7)]:
+        exact = 1 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
+        got = pass_at_k(n, c, k)
+        assert got == pytest.approx(exact, rel=1e-9, abs=1e-12) and 0.0 <= got <= 1.0
+    assert pass_at_k(5000, 1, 1) == pytest.approx(1 / 5000)  # pass@1 is the share correct
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 1, 5), (4, 1, 0), (4, -1, 1), (4, 5, 1), (4, 1, 1.0), (4, True, 1)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_the_k_ladder_doubles_up_to_n():
+    assert pass_at_k_ladder(1) == [1]
+    assert pass_at_k_ladder(16) == [1, 2, 4, 8, 16]
+    assert pass_at_k_ladder(12) == [1, 2, 4, 8, 12]
+
+
+def test_majority_vote_counts_answers_and_breaks_ties_by_the_first_given():
+    assert majority_correct(["7", "8", "7", None], [True, False, True, False]) is True
+    assert majority_correct(["8", "7", "8", "7"], [False, True, False, True]) is False  # tie: "8" came first
+    assert majority_correct(["7", "8", "8", "7"], [True, False, False, True]) is True
+    assert majority_correct([None, "", None], [False, False, False]) is False  # nobody answered
+
+
+def test_pass_at_k_maj_and_intervals_per_source_and_averaged():
+    n = 4
+    # responses per prompt; the label of every prompt is "y"
+    answers = {
+        0: ["y", "n", "n", "n"],  # math: 1 of 4
+        1: ["n", "n", "n", "n"],  # math: 0 of 4
+        2: ["y", "y", "y", "n"],  # math: 3 of 4, majority right
+        3: ["n", "y", "n", ""],  # aime: 1 of 4, majority "n" wrong
+        4: ["y", "x", "x", "y"],  # aime: 2 of 4, tie y/x: y came first
+    }
+    items = [item(i, "math", "y") for i in range(3)] + [item(3, "aime", "y"), item(4, "aime", "y")]
+    cfg = from_args(["--eval.n_samples", str(n), "--eval.bootstrap", "2000"])
+    rollout = RecordingRollout(answers)  # greedy answers are each prompt's first response: math right, wrong, right
+    out = evaluate(rollout, LabelIsAnswer(), items, cfg)
+    counts = {"math": [1, 0, 3], "aime": [1, 2]}
+    for src, cs in counts.items():
+        for k in (1, 2, 4):
+            want = sum(brute_force_pass_at_k(n, c, k) for c in cs) / len(cs)
+            assert out[f"eval/{src}/pass@{k}"] == pytest.approx(want), (src, k)
+    assert out["eval/pass@2"] == pytest.approx((out["eval/math/pass@2"] + out["eval/aime/pass@2"]) / 2)
+    assert out["eval/math/maj@4"] == pytest.approx(1 / 3)  # only prompt 2's majority is right
+    assert out["eval/aime/maj@4"] == pytest.approx(1 / 2)  # prompt 4's tie goes to "y"
+    assert out["eval/maj@4"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    # the protocols side by side: math's acc is greedy (2 of 3), aime's is avg@4 (3 of 8)
+    assert out["eval/math/acc"] == pytest.approx(2 / 3) and out["eval/aime/acc"] == pytest.approx(3 / 8)
+    for name in ("pass@1", "pass@4"):
+        for prefix in ("eval/math/", "eval/aime/", "eval/"):
+            low, high = out[f"{prefix}{name}_ci95_low"], out[f"{prefix}{name}_ci95_high"]
+            assert low <= out[f"{prefix}{name}"] <= high, (prefix, name)
+    assert out["eval/aime/pass@4_ci95_low"] == out["eval/aime/pass@4_ci95_high"] == 1.0  # both prompts solved
+    assert out["eval/pass@1_ci95_low"] < out["eval/pass@1_ci95_high"]
+    assert "eval/pass@2_ci95_low" not in out  # intervals for pass@1 and pass@n only
+
+
+def test_bootstrap_interval_covers_the_truth_about_95_percent_of_the_time():
+    # prompts whose pass@1 is 1 with probability 0.3: the interval of the mean of 40 should hold 0.3 in ~95 %
+    rng = random.Random(0)
+    hits = 0
+    for trial in range(200):
+        values = [float(rng.random() < 0.3) for _ in range(40)]
+        low, high = bootstrap_interval([values], resamples=1000, seed=trial)
+        hits += low <= 0.3 <= high
+    assert 0.88 <= hits / 200 <= 0.99
+
+
+def test_bootstrap_of_constant_values_is_a_point():
+    assert bootstrap_interval([[0.5] * 10, [1.0] * 3]) == (0.75, 0.75)
