@@ -72,7 +72,9 @@ class StandInPolicy:
     def __init__(self, seconds: float):
         self.actor, self.seconds = HoldingActor.remote(), seconds
 
-    def train_step(self, samples, step: int, strength_scale: float = 1.0) -> dict[str, float]:
+    def train_step(
+        self, samples, step: int, strength_scale: float = 1.0, entropy_coef: float | None = None
+    ) -> dict[str, float]:
         ray.get(self.actor.hold.remote(self.seconds))
         return {"loss/policy": 0.0}
 

@@ -616,10 +616,30 @@ def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
     for error in entropy_control.validate(cfg.entropy):
         flag, _, why = error.partition(": ")
         need(False, flag.removeprefix("--"), why)
+    need(
+        0 <= lc.entropy_coef < float("inf"),  # NaN fails the comparison too
+        "loss.entropy_coef",
+        f"{lc.entropy_coef} must be a finite number >= 0 (0 = no entropy bonus)",
+    )
     if cfg.entropy.target:
-        try:
-            obj.knob(cfg.entropy.knob)
-        except ValueError as e:
-            need(False, "entropy.knob" if obj.knobs else "entropy.target", str(e))
+        if obj.knobs:
+            try:
+                obj.knob(cfg.entropy.knob)
+            except ValueError as e:
+                need(False, "entropy.knob", str(e))
+        else:
+            # ppo, cispo, gspo: nothing of theirs to scale; the controller drives the entropy bonus alone
+            need(not cfg.entropy.knob, "entropy.knob", f"objective {lc.type!r} has no knob to scale")
+            need(
+                cfg.entropy.max_bonus > lc.entropy_coef,
+                "entropy.target",
+                f"objective {lc.type!r} has no strength to scale, and --entropy.max_bonus {cfg.entropy.max_bonus:g} "
+                f"(not above --loss.entropy_coef {lc.entropy_coef:g}) leaves the bonus nothing to move",
+            )
+        if lc.entropy_coef > cfg.entropy.max_bonus:
+            notes.append(
+                f"--loss.entropy_coef {lc.entropy_coef:g} is above --entropy.max_bonus {cfg.entropy.max_bonus:g}: the "
+                "controller keeps the bonus at --loss.entropy_coef"
+            )
     if lc.dual_clip and lc.type != "ppo":
         notes.append(f"--loss.dual_clip applies to ppo only; {lc.type} ignores it")

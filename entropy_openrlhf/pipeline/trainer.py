@@ -38,6 +38,7 @@ from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.actors.weight_sync import resolve_method
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
+from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.cluster import wait_started
 from entropy_openrlhf.config import Config, ConfigError, reference_gpus
 from entropy_openrlhf.pipeline.evaluation import evaluate
@@ -131,8 +132,11 @@ class Trainer:
         self.sync_method = resolve_method(cfg.sync.method, on_gpus=on_gpus)
         self.engine_lock = threading.Lock()
         self.sync_metrics: dict[str, float] = {}  # the last collective sync's timings, logged with its step
-        # --entropy.target: scales the objective's knob from each batch's entropy (scale 1 when off)
-        self.entropy_ctl = EntropyController(cfg.entropy)
+        # --entropy.target: moves the objective's knob and the entropy bonus from each batch's entropy (when off:
+        # scale 1, the bonus at --loss.entropy_coef)
+        self.entropy_ctl = EntropyController(
+            cfg.entropy, base_bonus=cfg.loss.entropy_coef, has_knob=bool(get_objective(cfg.loss.type).knobs)
+        )
 
     # ------------------------------------------------------------------ actor groups
 
@@ -337,8 +341,9 @@ class Trainer:
                 flat = [s for g in batch.groups for s in g]
                 t0 = time.time()
                 train_metrics = self.policy.train_step(
-                    self._train_samples(batch), step, strength_scale=self.entropy_ctl.scale
-                )
+                    self._train_samples(batch), step, strength_scale=self.entropy_ctl.scale,
+                    entropy_coef=self.entropy_ctl.bonus,
+                )  # fmt: skip
                 t_train = time.time() - t0
                 export_s = self.publish_weights(step + 1)
                 metrics = {**batch.metrics, **train_metrics}
@@ -360,8 +365,8 @@ class Trainer:
                     }
                 )
                 metrics.update(self.sync_metrics)  # collective sync: measured here, not by the producer
-                if self.entropy_ctl.enabled:  # this batch's entropy sets the scale of the next step
-                    self.entropy_ctl.update(train_metrics.get("entropy/seq_mean", math.nan))
+                if self.entropy_ctl.enabled:  # this batch's entropy sets the knobs of the next step
+                    self.entropy_ctl.observe(train_metrics)  # a KeyError if the entropy it reads is missing
                     metrics.update(self.entropy_ctl.metrics())
                 for version, result in self.eval_results:
                     metrics.update({k: v for k, v in result.items()})

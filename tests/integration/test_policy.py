@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
+from entropy_openrlhf.algorithms.entropy_control import MEASURE
 from entropy_openrlhf.config import from_args
 
 pytestmark = pytest.mark.integration
@@ -306,6 +307,7 @@ def test_entropy_bonus_changes_the_update_and_logs_its_metrics(ray_cluster, tiny
     finally:
         group.shutdown()
     assert metrics["loss/entropy_coef"] == coef
+    assert MEASURE in metrics  # what the entropy controller reads (it refuses a step without it)
     assert metrics["loss/entropy_bonus"] == pytest.approx(coef * metrics["entropy/token_mean"], rel=0.05)
     assert max_diff(plain, with_bonus) > 1e-5
     # the policy loss itself is the same objective on the same batch and starting weights

@@ -302,12 +302,12 @@ def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_p
     train_step = trainer.policy.train_step
     frozen: dict[str, float] = {}
 
-    def freeze_then_train(samples, step, strength_scale=1.0):
+    def freeze_then_train(samples, step, strength_scale=1.0, entropy_coef=None):
         # batch 0 is generated; the engine now stops answering, so the sync of version 1 after this step stalls
         if step == 0:
             os.kill(pid, signal.SIGSTOP)
             frozen["at"] = time.monotonic()
-        return train_step(samples, step, strength_scale)
+        return train_step(samples, step, strength_scale, entropy_coef)
 
     trainer.policy.train_step = freeze_then_train
     try:

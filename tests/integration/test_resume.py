@@ -159,6 +159,10 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     scales = [want[s]["entropy_ctl/scale"] for s in range(4)]
     assert all(want[s]["entropy_ctl/error"] > 0 for s in range(4))
     assert 1 < scales[0] < scales[1] < scales[2] < scales[3], scales
+    # below the band the entropy bonus is raised too (from 0: step 0 trains without it), and the resumed steps below
+    # must repeat it: the bonus comes back from the checkpoint with the scale
+    assert all(want[s]["entropy_ctl/bonus"] > 0 for s in range(4))
+    assert want[0]["loss/entropy_bonus"] == 0 and all(want[s]["loss/entropy_bonus"] > 0 for s in (1, 2, 3))
     # and it reaches the actor: the selected share grows with the scaled ratio (step 0 trains at scale 1)
     frac = f"loss/{pipeline}_frac"
     assert want[3][frac] > 2 * want[0][frac], (want[0][frac], want[3][frac])

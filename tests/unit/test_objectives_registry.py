@@ -46,8 +46,14 @@ def test_bad_objective_settings_name_their_flag():
         validate(from_args(["--loss.type", "high_entropy", "--loss.high_entropy.top_frac", "1.5"]))
     with pytest.raises(ConfigError, match="--loss.kl_cov.within: 'gspo'"):
         validate(from_args(["--loss.kl_cov.within", "gspo"]))
+    # an objective with no knob is held by the entropy bonus alone, so it needs room for one
+    validate(from_args(["--loss.type", "cispo", "--entropy.target", "0.3,0.5"]))
     with pytest.raises(ConfigError, match="--entropy.target: objective 'cispo' has no strength"):
-        validate(from_args(["--loss.type", "cispo", "--entropy.target", "0.3,0.5"]))
+        validate(from_args(["--loss.type", "cispo", "--entropy.target", "0.3,0.5", "--entropy.max_bonus", "0"]))
+    with pytest.raises(ConfigError, match="--entropy.knob: objective 'gspo' has no knob"):
+        validate(from_args(["--loss.type", "gspo", "--entropy.target", "0.3,0.5", "--entropy.knob", "coef"]))
+    with pytest.raises(ConfigError, match="--loss.entropy_coef: -0.1 must be"):
+        validate(from_args(["--loss.entropy_coef", "-0.1"]))
     with pytest.raises(ConfigError, match="--entropy.knob 'top_frac'"):
         validate(from_args(["--entropy.target", "0.3,0.5", "--entropy.knob", "top_frac"]))
 
