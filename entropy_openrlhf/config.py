@@ -226,7 +226,7 @@ class RefConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = _f(0, "evaluate on data.test every N steps (0 = off)")
+    every: int = _f(0, "evaluate on data.test every N steps and on the final weights (0 = off)")
     max_samples: int = _f(64, "rows used from each test set (0 = all; scripts/evaluate.py defaults to all)")
     n_samples: int = _f(
         1,

@@ -265,6 +265,21 @@ class Trainer:
         result["time/eval"] = time.time() - t0
         self.eval_results.append((self.engine_version, result))
 
+    def _evaluate_final_weights(self) -> None:
+        """After the last step: the weights the run ends with, evaluated once more whatever `eval.every` divides
+        (the producer, which evaluates between batches, has generated its last batch by then)."""
+        if self.cfg.eval.every <= 0 or not self.test_items:
+            return
+        self._apply_pending_weights()  # object-store sync: the final weights are still pending
+        version = self.latest_version
+        if self.engine_version != version or any(v == version for v, _ in self.eval_results):
+            return
+        t0 = time.time()
+        with self.engine_lock:
+            result = evaluate(self.rollout, self.reward, self.test_items, self.cfg)
+        result["time/eval"] = time.time() - t0
+        self.eval_results.append((version, result))
+
     def _produce(self) -> None:
         try:
             for step in range(self.start_step, self.cfg.train.num_steps):
@@ -368,6 +383,13 @@ class Trainer:
                 if self.entropy_ctl.enabled:  # this batch's entropy sets the knobs of the next step
                     self.entropy_ctl.observe(train_metrics)  # a KeyError if the entropy it reads is missing
                     metrics.update(self.entropy_ctl.metrics())
+                if step == cfg.train.num_steps - 1:
+                    producer.join(timeout=60)  # it has nothing left to generate; its last evaluation is queued
+                    if producer.is_alive():
+                        print("[entropy-openrlhf] the rollout producer did not end within 60 s of the last step: "
+                              "the final weights are not evaluated", flush=True)  # fmt: skip
+                    else:
+                        self._evaluate_final_weights()  # logged with this last step
                 for version, result in self.eval_results:
                     metrics.update({k: v for k, v in result.items()})
                     metrics["eval/policy_version"] = float(version)

@@ -27,6 +27,7 @@ def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3)
             "--rollout.max_new_tokens", "16",
             "--eval.every", "2",
             "--eval.max_samples", "6",
+            "--eval.n_samples", "2",
         ],
         {"loss.type": loss},
     )  # fmt: skip
@@ -48,11 +49,14 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness):
             assert h["rollout/samples"] == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             assert torch.isfinite(torch.tensor(h["loss/policy"]))
             assert h["entropy/seq_mean"] > 0
-        # in-training evaluation of the built-in test split: the initial weights, logged with step 0, then only
-        # versions that are multiples of eval.every
+        # in-training evaluation of the built-in test split: the initial weights, logged with step 0, versions that
+        # are multiples of eval.every, and the final weights (version 3), logged with the last step
         assert history[0]["eval/policy_version"] == 0
         evals = [h for h in history if "eval/acc" in h]
-        assert all(h["eval/policy_version"] % 2 == 0 for h in evals)
+        assert all(h["eval/policy_version"] % 2 == 0 for h in evals[:-1]) and history[-1]["eval/policy_version"] == 3
+        for h in evals:  # two samples per prompt: pass@1, pass@2 and their intervals
+            assert 0 <= h["eval/pass@1"] <= h["eval/pass@2"] <= 1
+            assert h["eval/pass@2_ci95_low"] <= h["eval/pass@2"] <= h["eval/pass@2_ci95_high"]
         for h in evals:
             per_source = [v for k, v in h.items() if k.startswith("eval/") and k.endswith("/acc") and k != "eval/acc"]
             assert per_source and all(0 <= v <= 1 for v in per_source)
