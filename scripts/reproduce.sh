@@ -1,52 +1,118 @@
 #!/usr/bin/env bash
-# The small-scale reproduction (docs/results.md): GRPO, clip-higher, Clip-Cov and KL-Cov on the built-in arithmetic
-# task with SmolLM2-135M-Instruct, the same seed, data and budget, several optimizer steps per rollout batch (the
-# paper's recipe shape), held-out accuracy every few steps. Then the plots and the results table.
+# The small-scale reproduction (docs/results.md) on the built-in arithmetic task with SmolLM2-135M-Instruct, the same
+# data and budget for every method, several optimizer steps per rollout batch (the paper's recipe shape), held-out
+# accuracy every few steps. Then the plots and the results table.
 #
-#   bash scripts/reproduce.sh                         # all four methods, one after the other
-#   METHODS="grpo kl_cov" bash scripts/reproduce.sh   # a subset
-#   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
+#   bash scripts/reproduce.sh --seeds 3               # the study: grpo clip_cov kl_cov kl_cov_band, seeds 1-3
+#   METHODS="grpo kl_cov" bash scripts/reproduce.sh --seeds 3       # a subset of the study
+#   bash scripts/reproduce.sh                         # the single-seed comparison: grpo clip_higher clip_cov kl_cov
 #   METHODS="kl_cov_target kl_cov_target_ratio" bash scripts/reproduce.sh   # KL-Cov under entropy control
+#   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
 #
-# Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<method>.
-# A method whose run finished (its final model exists) is skipped, so the four hours can be spread over several
-# sittings; an unfinished run is started again from scratch. REPRO_FORCE=1 reruns finished ones too.
+# Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<run>,
+# where <run> is the method, or <method>_seed<N> in the study. The study evaluates pass@k with 16 samples per
+# held-out prompt every 5 steps and on the final weights, and checkpoints every 5 steps: a run stopped part-way
+# continues from its newest checkpoint (--train.resume true) when the script is started again. A run whose final
+# model exists is skipped; REPRO_FORCE=1 reruns it. Per-step metrics are copied to docs/runs/<run>/metrics.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${REPRO_OUT:-outputs/repro}
 PLOTS=${REPRO_PLOTS:-docs}  # where the PNGs go
-METHODS=${METHODS:-grpo clip_higher clip_cov kl_cov}
+SEEDS=0  # 0: the single-seed comparison (seed 1, runs named by method)
+if [[ ${1:-} == --seeds ]]; then
+    SEEDS=$2
+    shift 2
+fi
+if (( SEEDS > 0 )); then
+    METHODS=${METHODS:-grpo clip_cov kl_cov kl_cov_band}
+else
+    METHODS=${METHODS:-grpo clip_higher clip_cov kl_cov}
+fi
 # Same budget for every method: 25 steps of 4 prompts x 4 samples in 4 optimizer mini-batches, held-out accuracy
 # on 64 test prompts every 5 steps. The demo's 4x4 step takes ~128 s on 2 cores, so a run is about an hour.
 COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_batches 4
     --eval.every 5 --eval.max_samples 64 --async.max_staleness 1 --logger.sample_table_every 0)
+
+# The study's extra budget: pass@k over 16 samples per held-out prompt, midway and at the end, and checkpoints.
+STUDY=(--eval.n_samples 16 --train.save_every 5 --train.keep_checkpoints 1)
 
 # Runs that are not a pipeline of their own: the pipeline they run and their own flags.
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
 # where every method starts on this task (0.68 at step 0) and where the fixed-ratio KL-Cov run swung through.
 CTL_BAND=0.5,0.8
 # kl_cov_target_ratio: the same, the controller scaling KL-Cov's ratio of tokens instead of its coefficient.
-declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov)
+# kl_cov_band (the study): KL-Cov under the controller, holding the same band.
+declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov)
 declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
-    [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio")
+    [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
+    [kl_cov_band]="--entropy.target $CTL_BAND")
 
-mkdir -p "$OUT"
-for method in $METHODS; do
-    if [[ -d "$OUT/$method/final" && -z "${REPRO_FORCE:-}" ]]; then
-        echo "== $method: finished earlier in $OUT/$method, skipped"
-        continue
+merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
+    # a step logged again after a resume replaces the earlier row
+    .venv/bin/python - "$1" "$2" <<'PY'
+import json, sys
+from pathlib import Path
+rows = {}
+for f in sorted(Path(sys.argv[1]).glob("wandb/offline-run-*/files/metrics.jsonl")):
+    for line in f.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["step"]] = row
+Path(sys.argv[2]).write_text("".join(json.dumps(rows[s]) + "\n" for s in sorted(rows)))
+PY
+}
+
+run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resumed when it has a checkpoint
+    local run=$1 method=$2 resume=()
+    shift 2
+    if [[ -d "$OUT/$run/final" && -z "${REPRO_FORCE:-}" ]]; then
+        echo "== $run: finished earlier in $OUT/$run, skipped"
+        return
     fi
-    rm -rf "${OUT:?}/$method"
-    echo "== $method: $(date -u +%H:%M:%S)"
+    if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
+        resume=(--train.resume true)
+        echo "== $run: continuing from its newest checkpoint, $(date -u +%H:%M:%S)"
+    else
+        rm -rf "${OUT:?}/$run"
+        echo "== $run: $(date -u +%H:%M:%S)"
+    fi
+    local start
     start=$(date +%s)
     # shellcheck disable=SC2086  # EXTRA holds several flags
-    .venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$method" \
-        --logger.run_name "repro-$method" "${COMMON[@]}" ${EXTRA[$method]:-} "$@" 2>&1 | tee "$OUT/$method.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
-    echo "== $method took $(( $(date +%s) - start )) s"
+    .venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$run" \
+        --logger.run_name "repro-$run" "${COMMON[@]}" ${EXTRA[$method]:-} "$@" "${resume[@]}" 2>&1 \
+        | tee -a "$OUT/$run.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
+    echo "== $run took $(( $(date +%s) - start )) s"
     # the per-step metrics, kept beside the plots so they can be redrawn once outputs/ is gone
-    mkdir -p "$PLOTS/runs/$method"
-    cp "$OUT/$method"/wandb/offline-run-*/files/metrics.jsonl "$PLOTS/runs/$method/metrics.jsonl"
-done
+    mkdir -p "$PLOTS/runs/$run"
+    merge_metrics "$OUT/$run" "$PLOTS/runs/$run/metrics.jsonl"
+}
+
+mkdir -p "$OUT"
+if (( SEEDS > 0 )); then
+    for seed in $(seq 1 "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
+        for method in $METHODS; do
+            run_one "${method}_seed$seed" "$method" --train.seed "$seed" "${STUDY[@]}" "$@"
+        done
+    done
+else
+    for method in $METHODS; do
+        run_one "$method" "$method" "$@"
+    done
+fi
+
+if (( SEEDS > 0 )); then
+    # every seed of every study method measured so far: several runs under one label are one method's seeds
+    specs=()
+    for method in grpo clip_cov kl_cov kl_cov_band; do
+        for dir in "$PLOTS"/runs/"${method}"_seed*/; do
+            if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
+        done
+    done
+    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix study_ --band "$CTL_BAND" \
+        | tee "$OUT/results_study.txt"
+    exit 0
+fi
 
 # Every method measured so far, not just this call's: the runs can be spread over several sittings.
 plot() {  # plot PREFIX "FLAGS" METHOD...: the plots and table of those runs that exist
