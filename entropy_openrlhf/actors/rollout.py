@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from entropy_openrlhf.actors.reaper import REAP_TIMEOUT_S, process_tree, reap_recorded, reap_recorded_task, write_record
 from entropy_openrlhf.actors.weight_chunks import DEFAULT_MAX_CHUNK_MB, MB, make_chunks, serialize_chunk
 from entropy_openrlhf.actors.weight_names import check_weight_names
 from entropy_openrlhf.actors.weight_sync import SyncEndpoint, WeightSyncError, check_devices, choose_backend
@@ -185,6 +186,13 @@ class RolloutEngine:
         )
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        # Ray restarts a killed engine under the same actor id, on the same node: end whatever processes the
+        # previous incarnation left (vLLM's engine core, TP workers) before this one asks for their memory (reaper.py)
+        self.record_key = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        if self.record_key:
+            killed = reap_recorded(self.record_key, "rollout engine restarting: its previous incarnation's processes")
+            if killed:
+                log.warning("rollout engine restarting: ended processes %s of its previous incarnation", killed)
         set_cpu_defaults()
         # before vLLM loads anything: a model whose exported weights the engine could not load fails here, in one
         # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
@@ -216,6 +224,8 @@ class RolloutEngine:
             **tuning,
             **llm_kwargs,
         )
+        if self.record_key:  # every process vLLM started is up now
+            write_record(self.record_key, process_tree(os.getpid()))
         self.tokenizer = self.llm.get_tokenizer()
         # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
         self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
@@ -229,6 +239,10 @@ class RolloutEngine:
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def processes(self) -> list[tuple[int, float]]:
+        """(pid, start time) of this engine's process and every process below it (vLLM's engine core, workers)."""
+        return process_tree(os.getpid())
 
     def generate(
         self,
@@ -481,7 +495,10 @@ class RolloutGroup:
             wait_started([a.ready.remote() for a in self.actors], f"the rollout group ({num_engines} vLLM engine(s))",
                          start_timeout_s)  # fmt: skip
         except Exception:
-            self.shutdown()
+            try:
+                self.shutdown()
+            except Exception as e:  # noqa: BLE001 - the start's own error is the one to raise
+                log.warning("cleaning up after the failed start: %s", e)
             raise
 
     @classmethod
@@ -879,7 +896,40 @@ class RolloutGroup:
         return True
 
     def shutdown(self) -> None:
+        """Kill the engines, end every process they started (by pid, on their nodes) and free the placement group.
+        Raises naming the engines whose processes outlived the kill."""
+        keys = [actor._actor_id.hex() for actor in self.actors]  # what each engine recorded its processes under
+        nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-        remove_placement_group(self.pg)
+        try:
+            _reap_engines(keys, nodes)
+        finally:
+            remove_placement_group(self.pg)
+
+
+def _reap_engines(keys: list[str], bundle_nodes: dict) -> None:
+    """After the engines were killed: on each of their nodes, end every process they recorded and wait until all
+    are gone (reaper.py); a node that is gone took its processes with it."""
+    by_node: dict[str, list[str]] = {}
+    for i, key in enumerate(keys):
+        if bundle_nodes.get(i):
+            by_node.setdefault(bundle_nodes[i], []).append(key)
+    what = "shutting down the rollout group: its engines' processes"
+    calls = {}
+    for node, node_keys in by_node.items():
+        on_node = NodeAffinitySchedulingStrategy(node, soft=False)  # the records are in that node's own /tmp
+        calls[node] = reap_recorded_task.options(scheduling_strategy=on_node).remote(node_keys, what)
+    errors = []
+    for node, ref in calls.items():
+        try:
+            ray.get(ref, timeout=REAP_TIMEOUT_S + 60.0)  # the task's own deadline, plus its scheduling
+        except ray.exceptions.GetTimeoutError:
+            errors.append(f"node {node[:12]}: the task ending them did not finish in {REAP_TIMEOUT_S + 60:.0f} s")
+        except ray.exceptions.TaskUnschedulableError:
+            log.warning("%s: node %s is gone, and its processes with it", what, node[:12])
+        except ray.exceptions.RayTaskError as e:
+            errors.append(f"node {node[:12]}: {e.cause}")
+    if errors:
+        raise RuntimeError(f"{what} were not all ended: " + "; ".join(errors))
