@@ -214,14 +214,36 @@ REF_GPUS_AUTO = -1.0  # --ref.num_gpus: follow the policy ranks' hardware (refer
 @dataclass
 class RefConfig:
     enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
-    num_cpus: float = _f(0.5, "Ray CPUs for the reference actor")
+    num_cpus: float = _f(0.5, "Ray CPUs for each reference rank")
     num_gpus: float = _f(
         REF_GPUS_AUTO,
-        "Ray GPUs for the reference actor; -1 = auto: one policy rank's share (at most 1) when the policy ranks have "
+        "Ray GPUs for each reference rank; -1 = auto: one policy rank's share (at most 1) when the policy ranks have "
         "GPUs, so the reference runs on the policy's hardware and precision, else 0 (the CPU). 0 with GPU policy "
         "ranks is refused: the reference would run a full-size forward on the CPU in fp32 every step",
     )
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="reference actor", example='{"node_b": 1}'))
+    num_workers: int = _f(
+        1,
+        "reference ranks (Ray actors, each with --ref.num_cpus/--ref.num_gpus), data-parallel over the batch. 1 = one "
+        "plain transformers copy of the model; above 1 it runs under DeepSpeed ZeRO-3 inference, its parameters "
+        "split over the ranks (a reference larger than one GPU)",
+    )
+    offload: bool = _f(
+        False,
+        "DeepSpeed ZeRO-3 CPU parameter offload: the reference's parameters wait in host memory and each module's "
+        "are brought to the GPU for its forward (slower; for a reference its GPUs cannot hold). Any "
+        "--ref.num_workers; GPUs only",
+    )
+    timeout_s: float = _f(1800.0, "reference log-probs of one batch that take longer fail, naming the group")
+
+
+def reference_uses_deepspeed(ref: RefConfig) -> bool:
+    """Whether the reference runs under DeepSpeed ZeRO-3 (several ranks, or CPU offload) rather than as one plain
+    transformers model. Always stage 3: a reference is spread over ranks only because its parameters do not fit one
+    device, and ZeRO-3 is the stage that splits parameters (stages 1 and 2 split optimizer state and gradients, which
+    a frozen model has none of) and the one CPU offload of parameters needs. Each rank still runs its own share of
+    the batch, so the ranks add throughput as replicas would."""
+    return ref.num_workers > 1 or ref.offload
 
 
 @dataclass
@@ -274,7 +296,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    preset: str = _f("", "named preset applied before the flags: smoke | qwen2.5-7b-dapo | qwen2.5-32b-dapo")
+    preset: str = _f(
+        "", "named preset applied before the flags: smoke | clip-cov-small | qwen2.5-7b-dapo | qwen2.5-32b-dapo"
+    )
 
     def flatten(self) -> dict[str, Any]:
         return dict(_walk(self))
@@ -482,6 +506,7 @@ def validate(cfg: Config) -> list[str]:
             continue
         need(n >= 0 and (n <= 1 or float(n).is_integer()), flag, f"{n:g}: Ray takes a fraction <= 1 or a whole number")
     _validate_gpu_sharing(cfg, need)
+    _validate_reference(cfg, need)
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
     need(
         r.num_gpus_per_engine == 0 or r.num_gpus_per_engine >= r.tensor_parallel_size,
@@ -582,6 +607,34 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
         f"0 puts the reference model on the CPU in fp32 while the policy ranks have GPUs (--actor.num_gpus_per_worker "
         f"{a.num_gpus_per_worker:g}): leave it at -1 (auto: {min(1.0, a.num_gpus_per_worker):g} GPU, the policy's "
         "hardware), give it GPUs, or turn it off with --ref.enabled false",
+    )
+
+
+def _validate_reference(cfg: Config, need) -> None:
+    """The reference group's own flags: its rank count, CPU offload and its deadline."""
+    ref = cfg.ref
+    need(ref.num_workers >= 1, "ref.num_workers", f"{ref.num_workers} must be >= 1")
+    need(ref.timeout_s > 0, "ref.timeout_s", f"{ref.timeout_s:g} must be > 0")
+    if not ref.enabled:
+        return
+    gpus = reference_gpus(cfg)
+    # The same trap as the policy's: Ray packs the bundles, so two ranks of half a GPU share one device, and NCCL
+    # refuses the communicator (Duplicate GPU detected) after both have started loading.
+    need(
+        not (0 < gpus < 1 and ref.num_workers >= 2),
+        "ref.num_gpus",
+        f"{gpus:g} GPU per reference rank{' (auto: the policy rank share)' if ref.num_gpus == REF_GPUS_AUTO else ''} "
+        f"with {ref.num_workers} ranks (--ref.num_workers) puts two NCCL ranks on one GPU, which NCCL refuses "
+        "(Duplicate GPU detected): give each rank a whole GPU (--ref.num_gpus 1), or use one rank",
+    )
+    # ZeRO-3 offload moves parameters between the GPU and host memory; a reference on the CPU holds them in host
+    # memory already, so the flag would do nothing there: refused rather than silently ignored.
+    need(
+        not (ref.offload and gpus == 0),
+        "ref.offload",
+        "true needs a reference on GPUs: it runs on the CPU here (--ref.num_gpus "
+        f"{'-1, auto, with policy ranks on the CPU' if ref.num_gpus == REF_GPUS_AUTO else '0'}), where its parameters "
+        "are in host memory already",
     )
 
 

@@ -170,6 +170,18 @@ def _cov_metrics(cov: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor)
     }
 
 
+def _quota_metrics(ratio: float, n_valid: int, selected: torch.Tensor) -> dict[str, float]:
+    """Whether a covariance selection can act at this size: its quota max(1, floor(ratio * N)) over this call's
+    valid tokens, and `select_starved` = 1 when the call selected nothing or its quota is the one-token floor
+    (ratio * N < 1). Averaged over micro-batches they show an objective that barely acts (the trainer warns)."""
+    floor_only = ratio * n_valid < 1
+    return {
+        "select_tokens": float(n_valid),
+        "select_quota": float(max(1, math.floor(ratio * n_valid))),
+        "select_starved": float(floor_only or not bool(selected.any())),
+    }
+
+
 def _clip_fracs(adv, ratio, valid, clip_low, clip_high) -> dict[str, float]:
     # Tokens whose ratio the PPO clip holds at a bound, i.e. whose gradient the clip removes.
     low = valid & (adv < 0) & (ratio < 1.0 - clip_low)
@@ -320,11 +332,15 @@ def clip_cov_loss(
     token_loss = _weighted(token_loss, is_weights, valid)
     token_loss = torch.where(valid, token_loss, 0.0)
     n = max(int(valid.sum()), 1)
+    cov = token_covariance(lp, adv, valid, cov_means)
+    in_bounds = valid & (cov > cov_lb) & (cov < cov_ub)  # the candidates before PPO's clip takes its own
     metrics = {
         "clip_cov_frac": float(selected.sum()) / n,
+        "clip_cov_in_bounds": float(in_bounds.sum()) / n,
         "ppo_kl": _masked_mean((old - lp).detach(), valid),
         **_clip_fracs(adv, ratio_t.detach(), valid, clip_low, clip_high),
-        **_cov_metrics(token_covariance(lp, adv, valid, cov_means), valid, selected),
+        **_cov_metrics(cov, valid, selected),
+        **_quota_metrics(ratio, int(valid.sum()), selected),
     }
     return LossOutput(aggregate(token_loss, valid, agg, normalizer, dp_size), token_loss, selected, metrics)
 
@@ -366,6 +382,7 @@ def kl_cov_loss(
         "ppo_clip_frac_low": 0.0,  # KL-Cov applies no PPO clip
         "ppo_clip_frac_high": 0.0,
         **_cov_metrics(token_covariance(lp, adv, valid, cov_means), valid, selected),
+        **_quota_metrics(ratio, int(valid.sum()), selected),
     }
     return LossOutput(aggregate(token_loss, valid, agg, normalizer, dp_size), token_loss, selected, metrics)
 

@@ -105,6 +105,32 @@ class PromptStream:
         return out
 
 
+STARVED_STEPS = 3  # consecutive steps in which a covariance selection barely acts before the run says so
+
+
+def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
+    """What the run prints once when, for STARVED_STEPS steps in a row, every micro-batch of a covariance objective
+    selected nothing or only its one-token floor: the numbers, and the flags that give it room to act."""
+    name = cfg.loss.type
+    params = getattr(cfg.loss, name)
+    tokens = metrics.get("loss/select_tokens", 0.0)
+    text = (
+        f"[entropy-openrlhf] {name} barely acts: for {STARVED_STEPS} steps every micro-batch selected nothing or "
+        f"only its floor of one token (quota max(1, floor({params.ratio:g} x ~{tokens:.0f} tokens)); selected "
+        f"{metrics.get(f'loss/{name}_frac', 0.0):.2%} of tokens; cov p99 {metrics.get('cov/p99', 0.0):.3g}"
+    )
+    if name == "clip_cov":
+        in_bounds = metrics.get("loss/clip_cov_in_bounds", 0.0)
+        text += (
+            f" against bounds ({params.lb:g}, {params.ub:g}), {in_bounds:.1%} of tokens inside them). Raise "
+            "--loss.clip_cov.ratio (--preset clip-cov-small: 0.05, about half of the candidates at 4 x 30-token "
+            "micro-batches)"
+        )
+    else:
+        text += f"). Raise --loss.{name}.ratio to at least 1/{tokens:.0f}"
+    return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."
+
+
 def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:
     rewards, ids = [], []
     for g, group in enumerate(groups):
@@ -124,6 +150,7 @@ class Trainer:
         self.cond = threading.Condition()
         self.latest_version = 0  # newest weights the trainer has published
         self.pending_weights: tuple[int, dict] | None = None
+        self.starvation_said = False  # the note that the objective's selection barely acts (starvation_note)
         self.engine_version = 0  # weights the engines hold
         self.stop = threading.Event()
         self.eval_results: list[tuple[int, dict[str, float]]] = []
@@ -343,7 +370,7 @@ class Trainer:
         producer = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         producer.start()
         history: list[dict[str, float]] = []
-        nonfinite_run = 0
+        nonfinite_run = starved_run = 0
         bar = tqdm(range(start_step, cfg.train.num_steps), desc="RL steps", dynamic_ncols=True)
         try:
             for step in bar:
@@ -394,6 +421,10 @@ class Trainer:
                     metrics.update({k: v for k, v in result.items()})
                     metrics["eval/policy_version"] = float(version)
                 self.eval_results.clear()
+                starved_run = starved_run + 1 if train_metrics.get("loss/select_starved") == 1.0 else 0
+                if starved_run == STARVED_STEPS and not self.starvation_said:  # once per run: a hint, not a log line
+                    print(starvation_note(cfg, train_metrics), flush=True)
+                    self.starvation_said = True
                 if train_metrics.get("train/skipped_steps", 0) > 0:
                     nonfinite_run += 1
                     if nonfinite_run >= cfg.train.max_nonfinite_steps:

@@ -376,3 +376,30 @@ def test_covariance_metrics_match_reference():
     sel = [cov[tuple(x)] for x in out.selected.nonzero().tolist()]
     assert out.metrics["cov_selected_mean"] == pytest.approx(sum(sel) / len(sel), rel=1e-5)
     assert vals[int(0.9 * len(vals))] <= out.metrics["cov_p99"] <= vals[-1]
+
+
+# ---------------------------------------------------------------- whether a selection can act at this size
+
+
+def test_selection_quota_and_starvation_metrics_by_hand():
+    lp, old, adv, mask = batch(seed=7)
+    n = int(mask.sum())
+    lists = as_lists(lp, old, adv, mask)
+    in_bounds = sum(0.1 < c < 5 for c in ref_cov(lists[0], lists[2], lists[3]).values())
+    # a quota of floor(ratio * N) >= 2 with candidates: not starved
+    ratio = 2.5 / n
+    out = clip_cov_loss(lp, old, adv, mask, ratio=ratio, cov_lb=0.1, cov_ub=5.0)
+    candidates = ref_clip_cov_candidates(*lists, 0.1, 5.0, 1.0, 1.0)
+    assert len(candidates) >= 2  # the batch has room for the quota below
+    assert out.metrics["select_tokens"] == n and out.metrics["select_quota"] == 2.0
+    assert out.metrics["select_starved"] == 0.0 and out.selected.sum() == 2
+    assert out.metrics["clip_cov_in_bounds"] == pytest.approx(in_bounds / n)
+    # the paper's 2e-4 of N tokens is the one-token floor: starved although a token was detached
+    out = clip_cov_loss(lp, old, adv, mask, ratio=2e-4, cov_lb=0.1, cov_ub=5.0)
+    assert out.metrics["select_quota"] == 1.0 and out.selected.sum() == 1 and out.metrics["select_starved"] == 1.0
+    # a real quota but no candidate between the bounds: starved too
+    out = clip_cov_loss(lp, old, adv, mask, ratio=0.5, cov_lb=1e6, cov_ub=2e6)
+    assert out.metrics["select_quota"] == math.floor(0.5 * n) and out.metrics["select_starved"] == 1.0
+    # KL-Cov always fills its quota: starved exactly when the quota is the floor
+    assert kl_cov_loss(lp, old, adv, mask, ratio=1 / n).metrics["select_starved"] == 0.0
+    assert kl_cov_loss(lp, old, adv, mask, ratio=0.99 / n).metrics["select_starved"] == 1.0
