@@ -35,6 +35,8 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 
 # The study's extra budget: pass@k over 16 samples per held-out prompt, midway and at the end, and checkpoints.
 STUDY=(--eval.n_samples 16 --train.save_every 5 --train.keep_checkpoints 1)
+# The study's Clip-Cov is the setting that gives it room at this size (docs/losses.md, "At small scale").
+declare -A STUDY_EXTRA=([clip_cov]="--preset clip-cov-small")
 
 # Runs that are not a pipeline of their own: the pipeline they run and their own flags.
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
@@ -92,7 +94,8 @@ mkdir -p "$OUT"
 if (( SEEDS > 0 )); then
     for seed in $(seq 1 "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
         for method in $METHODS; do
-            run_one "${method}_seed$seed" "$method" --train.seed "$seed" "${STUDY[@]}" "$@"
+            # shellcheck disable=SC2086  # STUDY_EXTRA holds several flags
+            run_one "${method}_seed$seed" "$method" --train.seed "$seed" "${STUDY[@]}" ${STUDY_EXTRA[$method]:-} "$@"
         done
     done
 else
