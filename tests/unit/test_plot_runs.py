@@ -2,6 +2,9 @@
 
 import csv
 import json
+import math
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +211,325 @@ def test_a_bad_band_fails_with_one_line(tmp_path, capsys, band):
     run = write_run_folder(tmp_path / "r", synthetic_records(*METHODS["grpo"]))
     code, _, err = run_main(capsys, f"r={run}", "--out", tmp_path / "out", "--band", band)
     assert code == 2 and "--band" in err and err.count("\n") == 1
+
+
+# ---- several seeds per method: the study's layout, docs/runs/<method>_seed<N>/metrics.jsonl ----
+
+STUDY_KS = (1, 2, 4, 8, 16)
+T95_2DF = 4.302653  # Student's t, 0.975 quantile, 2 degrees of freedom (three seeds), from a printed table
+Z975 = 1.959964
+
+
+def study_records(cov_mean: float, seed: int, n: int = 25, eval_every: int = 5, with_pass: bool = True):
+    """One run of the study: entropy moved by minus the step's covariance (the paper's law) plus noise, evaluations
+    every `eval_every` steps and on the final weights (the last row), pass@k rising with k."""
+    rng = np.random.default_rng(seed)
+    h, records = 0.7, []
+    for step in range(n):
+        cov = cov_mean + rng.normal(0, 0.01)
+        rec = {"step": step, "entropy/seq_mean": h, "reward/acc": 0.2 + 0.01 * step + rng.normal(0, 0.05)}
+        rec["cov/mean"] = cov
+        if step % eval_every == 0 or step == n - 1:
+            rec["eval/acc"] = 0.3 + 0.004 * step + rng.normal(0, 0.02)
+            rec["eval/policy_version"] = float(step)
+            if with_pass:
+                for k in STUDY_KS:
+                    rec[f"eval/pass@{k}"] = min(1.0, 0.25 + 0.08 * np.log2(k) + 0.002 * step + rng.normal(0, 0.02))
+                rec["eval/pass@1_ci95_low"] = rec["eval/pass@1"] - 0.05  # not a k: must not become a column
+                rec["eval/arith_l1/pass@1"] = 0.9  # per source: not the average either
+        records.append(rec)
+        h = h - cov + rng.normal(0, 0.005)
+    return records
+
+
+def write_study(root: Path, methods: dict[str, float], seeds=(1, 2, 3), **kwargs) -> dict[str, dict[int, list]]:
+    """docs/runs/<method>_seed<N>/metrics.jsonl for every method and seed; returns the records written."""
+    written = {}
+    for m_index, (method, cov_mean) in enumerate(methods.items()):
+        written[method] = {}
+        for seed in seeds:
+            records = study_records(cov_mean, seed=100 * m_index + seed, **kwargs)
+            folder = root / f"{method}_seed{seed}"
+            folder.mkdir(parents=True)
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            written[method][seed] = records
+    return written
+
+
+def study_specs(root: Path, written: dict) -> list[str]:
+    return [f"{method}={root / f'{method}_seed{seed}'}" for method, seeds in written.items() for seed in seeds]
+
+
+def by_hand(values, bounds=(0.0, 1.0)) -> tuple[float, float, float]:
+    """Mean and 95% t-interval of three values, with the standard library only, cut to the quantity's range."""
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = T95_2DF * sd / math.sqrt(len(values))
+    return mean, max(mean - half, bounds[0]), min(mean + half, bounds[1])
+
+
+def markdown_rows(out: str, header_start: str) -> dict[str, list[str]]:
+    """The rows of the printed markdown table whose header starts with `header_start`: first cell -> other cells."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        rows.setdefault(cells[0], []).append(cells[1:])
+    return {k: v[0] if len(v) == 1 else v for k, v in rows.items()}
+
+
+def numbers(cell: str) -> list[float]:
+    return [float(x) for x in re.findall(r"[-+]?\d+\.?\d*", cell)]
+
+
+STUDY = {"grpo": 0.02, "kl_cov": 0.0, "clip_cov": 0.015}
+
+
+def test_seeds_table_holds_means_and_t_intervals_over_seeds(tmp_path, capsys):
+    written = write_study(tmp_path, STUDY)
+    out_dir = tmp_path / "plots"
+    specs = study_specs(tmp_path, written)
+    code, out, err = run_main(capsys, *specs, "--out", out_dir, "--prefix", "study_", "--band", "0.5,0.8")
+    assert code == 0, err
+    rows = markdown_rows(out, "| method | seeds |")
+    assert set(rows) == set(STUDY)
+    grpo_entropy = statistics.mean(
+        statistics.mean(r["entropy/seq_mean"] for r in recs[-10:]) for recs in written["grpo"].values()
+    )
+    for method, seeds in written.items():
+        n_seeds, steps, entropy, ratio, train, test, band = rows[method]
+        assert (n_seeds, steps) == ("3", "25")
+        per_seed = {
+            "entropy": [statistics.mean(r["entropy/seq_mean"] for r in recs[-10:]) for recs in seeds.values()],
+            "train": [statistics.mean(r["reward/acc"] for r in recs[-10:]) for recs in seeds.values()],
+            "test": [[r["eval/acc"] for r in recs if "eval/acc" in r][-1] for recs in seeds.values()],
+            # the band share counts the steps from 5 on: 20 of the 25
+            "band": [statistics.mean(0.5 <= r["entropy/seq_mean"] <= 0.8 for r in recs[5:]) for recs in seeds.values()],
+        }
+        assert numbers(entropy) == pytest.approx(by_hand(per_seed["entropy"], (0, math.inf)), abs=6e-4), entropy
+        for cell, key in ((train, "train"), (test, "test")):
+            assert numbers(cell) == pytest.approx(by_hand(per_seed[key]), abs=6e-4), (method, key, cell)
+        # a share's interval is cut to [0%, 100%] (grpo's three seeds spread so far that t * s / sqrt(3) passes 0)
+        assert numbers(band) == pytest.approx([100 * v for v in by_hand(per_seed["band"])], abs=0.6), band
+        assert 0 <= numbers(band)[1] and numbers(band)[2] <= 100
+        assert float(ratio) == pytest.approx(statistics.mean(per_seed["entropy"]) / grpo_entropy, abs=0.006)
+
+    # pass@k at the last evaluation (the final row), never the midway one, never the _ci95 or per-source keys
+    passk = markdown_rows(out, "| method | runs |")
+    head = next(line for line in out.splitlines() if line.startswith("| method | runs |"))
+    assert head == "| method | runs | pass@1 | pass@2 | pass@4 | pass@8 | pass@16 |"
+    for method, seeds in written.items():
+        for k, cell in zip(STUDY_KS, passk[method][1:]):
+            final = [recs[-1][f"eval/pass@{k}"] for recs in seeds.values()]
+            assert numbers(cell) == pytest.approx(by_hand(final), abs=6e-4), (method, k, cell)
+
+    for name in ("entropy", "accuracy", "pass_at_k", "cov_entropy", "entropy_law", "fit_grpo", "fit_kl_cov"):
+        assert_png(out_dir / f"study_{name}.png")
+    assert "note:" not in out
+
+
+def test_paired_difference_pairs_seeds_by_number_and_says_when_not_significant(tmp_path, capsys):
+    written = write_study(tmp_path, {"grpo": 0.02, "kl_cov": 0.0})
+    # kl_cov's seeds in another order on the command line: pairing follows seed<N> in the path, not the order
+    specs = [f"grpo={tmp_path / f'grpo_seed{s}'}" for s in (1, 2, 3)]
+    specs += [f"kl_cov={tmp_path / f'kl_cov_seed{s}'}" for s in (3, 1, 2)]
+    code, out, err = run_main(capsys, *specs, "--out", tmp_path / "p")
+    assert code == 0, err
+    rows = markdown_rows(out, "| method - grpo |")["kl_cov"]
+    by_metric = {cells[0]: cells[1:] for cells in rows}
+
+    def last10(recs, key):
+        return statistics.mean(r[key] for r in recs[-10:])
+
+    for metric, key in (("entropy (last 10)", "entropy/seq_mean"), ("train acc (last 10)", "reward/acc")):
+        diffs = [last10(written["kl_cov"][s], key) - last10(written["grpo"][s], key) for s in (1, 2, 3)]
+        mean, low, high = by_hand(diffs, (-math.inf, math.inf) if key == "entropy/seq_mean" else (-1, 1))
+        difference, interval, pairs, verdict = by_metric[metric]
+        assert float(difference) == pytest.approx(mean, abs=6e-4) and pairs == "3"
+        assert numbers(interval) == pytest.approx([low, high], abs=6e-4)
+        assert verdict == ("excludes 0" if low > 0 or high < 0 else "not significant at 3 seeds")
+    # KL-Cov's covariance is 0.02 lower every step, so its entropy ends about 0.4 higher: clearly significant
+    assert by_metric["entropy (last 10)"][3] == "excludes 0"
+    # the same train accuracy by construction (noise only): its interval holds 0
+    assert by_metric["train acc (last 10)"][3] == "not significant at 3 seeds"
+    assert {f"pass@{k}" for k in STUDY_KS} <= set(by_metric)
+
+
+def test_paired_difference_and_mean_interval_directly():
+    mod = load_module()
+    est = mod.mean_interval([0.2, 0.3, 0.4])
+    # s = 0.1 exactly, so the half-width is t(2) 0.1 / sqrt(3)
+    assert est.mean == pytest.approx(0.3) and est.n == 3
+    assert est.high - est.mean == pytest.approx(T95_2DF * 0.1 / math.sqrt(3), rel=1e-5)
+    assert mod.mean_interval([0.5]) == (0.5, None, None, 1)  # one seed: no interval
+    # cut to the quantity's range: the half-width here is 4.3 * 0.5 / sqrt(3) = 1.24
+    assert mod.mean_interval([0.0, 0.5, 1.0], (0.0, 1.0))[1:] == (0.0, 1.0, 3)
+    # seed 4 has no baseline run: two pairs, differences 0.1 and 0.3
+    d = mod.paired_difference({"seed1": 0.5, "seed2": 0.7, "seed4": 9.0}, {"seed1": 0.4, "seed2": 0.4})
+    assert d.n == 2 and d.mean == pytest.approx(0.2)
+    assert d.high - d.mean == pytest.approx(12.706205 * statistics.stdev([0.1, 0.3]) / math.sqrt(2), rel=1e-5)
+    assert mod.paired_difference({"seed1": 0.5}, {"seed2": 0.4}) is None
+
+
+def test_t_table_without_scipy(monkeypatch):
+    mod = load_module()
+    from scipy.stats import t
+
+    for df in (1, 2, 3, 5, 10, 30):
+        assert mod.t95(df) == pytest.approx(t.ppf(0.975, df), abs=1e-3)
+    monkeypatch.setattr(mod, "student_t", None)
+    for df in (1, 2, 3, 5, 10, 30, math.inf):
+        assert mod.t95(df) == pytest.approx(t.ppf(0.975, df), abs=1e-3)
+    # between two rows the smaller df's value: a slightly wider interval, never a narrower one
+    assert mod.t95(11) == 2.228 and mod.t95(11) > t.ppf(0.975, 11)
+    assert mod.t95(1000) == 1.980
+
+
+def test_mechanism_pairs_each_steps_covariance_with_the_next_entropy_change(tmp_path):
+    mod = load_module()
+    # hand-made: entropy at steps 0..5, covariance at 0..5; step 3 lacks entropy, so t = 2 and t = 3 drop out
+    hs = {0: 0.70, 1: 0.66, 2: 0.65, 4: 0.55, 5: 0.52}
+    covs = {0: 0.03, 1: 0.02, 2: 0.05, 3: 0.01, 4: 0.04, 5: 0.00}
+    records = [{"step": s, "cov/mean": covs[s], **({"entropy/seq_mean": hs[s]} if s in hs else {})} for s in covs]
+    run = mod.parse_run(f"x={write_run_folder(tmp_path / 'x', records)}").runs[0]
+    x, y = mod.cov_entropy_change(run)
+    assert x.tolist() == [0.03, 0.02, 0.04]  # t = 0, 1, 4 (t = 5 has no step 6)
+    assert y == pytest.approx([0.66 - 0.70, 0.65 - 0.66, 0.52 - 0.55])
+
+
+def test_pearson_and_its_fisher_interval_by_hand():
+    mod = load_module()
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 0.02, 60)
+    y = -1.0 * x + rng.normal(0, 0.01, 60)
+    c = mod.pearson_interval(x, y)
+    # Pearson by its definition, the interval by Fisher's z with the standard library
+    dx, dy = x - x.mean(), y - y.mean()
+    r = float((dx * dy).sum() / math.sqrt((dx**2).sum() * (dy**2).sum()))
+    z, se = math.atanh(r), 1 / math.sqrt(60 - 3)
+    assert c.n == 60 and c.r == pytest.approx(r, abs=1e-12)
+    assert (c.low, c.high) == pytest.approx((math.tanh(z - Z975 * se), math.tanh(z + Z975 * se)), abs=1e-6)
+    assert c.r < 0 and c.high < 0
+    assert mod.pearson_interval(x[:3], y[:3]) is None  # Fisher's interval needs n > 3
+    assert mod.pearson_interval(np.ones(10), y[:10]) is None  # no spread: no correlation
+    assert mod.pearson_interval([1, 2, 3, 4], [2, 4, 6, 8]).r == pytest.approx(1.0)  # finite, at the bound
+
+
+def test_mechanism_is_printed_over_all_runs_and_recovers_the_sign(tmp_path, capsys):
+    written = write_study(tmp_path, STUDY)
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p")
+    assert code == 0, err
+    rows = markdown_rows(out, "| runs | points |")
+    xs, ys = [], []
+    for seeds in written.values():
+        for recs in seeds.values():
+            xs += [r["cov/mean"] for r in recs[:-1]]
+            ys += [b["entropy/seq_mean"] - a["entropy/seq_mean"] for a, b in zip(recs, recs[1:])]
+    r = float(np.corrcoef(xs, ys)[0, 1])
+    half = Z975 / math.sqrt(len(xs) - 3)
+    points, shown_r, interval = rows["all"]
+    assert int(points) == len(xs) == 3 * 3 * 24
+    assert float(shown_r) == pytest.approx(r, abs=6e-4) and r < -0.5  # entropy follows minus the covariance
+    fisher = [math.tanh(math.atanh(r) - half), math.tanh(math.atanh(r) + half)]
+    assert numbers(interval) == pytest.approx(fisher, abs=6e-4)
+    assert set(rows) == {"all", *STUDY}
+    assert_png(tmp_path / "p" / "cov_entropy.png")
+
+
+def test_pass_at_k_curves_use_the_last_evaluation_of_each_run(tmp_path):
+    mod = load_module()
+    written = write_study(tmp_path, {"grpo": 0.02, "kl_cov": 0.0}, seeds=(1, 2))
+    methods = mod.group_methods([mod.parse_run(spec) for spec in study_specs(tmp_path, written)])
+    curves = mod.pass_at_k_curves(methods)
+    for method, seeds in written.items():
+        assert [k for k, _ in curves[method]] == list(STUDY_KS)
+        for k, est in curves[method]:
+            values = [recs[-1][f"eval/pass@{k}"] for recs in seeds.values()]
+            half = 12.706205 * statistics.stdev(values) / math.sqrt(2)
+            assert est.n == 2 and est.mean == pytest.approx(statistics.mean(values))
+            assert (est.low, est.high) == pytest.approx((est.mean - half, est.mean + half), rel=1e-5)
+        # the midway evaluation logged pass@k too, with other values: the curve is not from there
+        assert curves[method][0][1].mean != pytest.approx(statistics.mean(r[20]["eval/pass@1"] for r in seeds.values()))
+
+
+def test_a_run_without_pass_at_k_is_skipped_with_a_note(tmp_path, capsys):
+    written = write_study(tmp_path, {"grpo": 0.02}, seeds=(1, 2))
+    old = tmp_path / "grpo_seed3"
+    old.mkdir()
+    records = study_records(0.02, seed=7, with_pass=False)  # a run from before pass@k: held-out accuracy only
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    specs = [*study_specs(tmp_path, written), f"grpo={old}"]
+    code, out, err = run_main(capsys, *specs, "--out", tmp_path / "p")
+    assert code == 0, err
+    assert "grpo_seed3: no eval/pass@k logged: left out of pass@k" in out
+    assert out.count("no eval/pass@k") == 1  # the plot and the table both look: one note
+    assert markdown_rows(out, "| method | runs |")["grpo"][0] == "2"  # pass@k over the two seeds that have it
+    assert markdown_rows(out, "| method | seeds |")["grpo"][0] == "3"  # everything else over all three
+    assert_png(tmp_path / "p" / "pass_at_k.png")
+
+
+def test_a_run_without_its_final_evaluation_is_kept_with_a_note(tmp_path, capsys):
+    written = write_study(tmp_path, {"grpo": 0.02}, seeds=(1, 2))
+    path = tmp_path / "grpo_seed2" / "metrics.jsonl"
+    records = written["grpo"][2]
+    records[-1] = {k: v for k, v in records[-1].items() if not k.startswith("eval/")}  # the final eval never ran
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p")
+    assert code == 0, err
+    assert "grpo_seed2: its last pass@k is from step 20 of 24: not the final weights" in out
+    cell = markdown_rows(out, "| method | runs |")["grpo"][1]  # pass@1 of seed 1's final row and seed 2's step 20
+    values = [written["grpo"][1][-1]["eval/pass@1"], records[20]["eval/pass@1"]]
+    assert numbers(cell)[0] == pytest.approx(statistics.mean(values), abs=6e-4)
+
+
+def test_seeds_of_different_lengths_are_fine(tmp_path, capsys):
+    mod = load_module()
+    written = write_study(tmp_path, {"grpo": 0.02}, seeds=(1, 2))
+    short = tmp_path / "grpo_seed3"
+    short.mkdir()
+    records = study_records(0.02, seed=9, n=20)  # a run stopped at step 20 (its own final evaluation at 19)
+    (short / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    specs = [*study_specs(tmp_path, written), f"grpo={short}"]
+    code, out, err = run_main(capsys, *specs, "--out", tmp_path / "p")
+    assert code == 0, err
+    row = markdown_rows(out, "| method | seeds |")["grpo"]
+    assert row[:2] == ["3", "20-25"]
+    entropy = [
+        statistics.mean(r["entropy/seq_mean"] for r in recs[-10:]) for recs in [*written["grpo"].values(), records]
+    ]
+    assert numbers(row[2]) == pytest.approx(by_hand(entropy, (0, math.inf)), abs=6e-4)  # each seed's own last 10 steps
+    assert "its runs have 25, 25, 20 steps" in out
+    assert "method - grpo" not in out  # only the baseline: nothing to compare
+    # the curve: steps 20-24 average the two long seeds only
+    steps, mean, low, high = mod.across_runs([(np.arange(3.0), np.array([1.0, 2, 3])), (np.arange(2.0), np.zeros(2))])
+    assert steps.tolist() == [0, 1, 2] and mean.tolist() == [0.5, 1.0, 3.0]
+    assert low.tolist() == [0, 0, 3] and high.tolist() == [1, 2, 3]
+
+
+def test_seeds_pair_by_number_else_by_order(tmp_path):
+    mod = load_module()
+    folders = [write_run_folder(tmp_path / name, synthetic_records(*METHODS["grpo"])) for name in ("a", "b")]
+    methods = mod.group_methods([mod.parse_run(f"m={f}") for f in folders])
+    assert len(methods) == 1 and [r.seed for r in methods[0].runs] == ["run1", "run2"]
+    study = write_study(tmp_path / "s", {"grpo": 0.02, "kl_cov": 0.0}, seeds=(2, 10))
+    specs = study_specs(tmp_path / "s", study)
+    methods = mod.group_methods([mod.parse_run(s) for s in specs])
+    assert [[r.seed for r in m.runs] for m in methods] == [["seed2", "seed10"], ["seed2", "seed10"]]
+    # one method without numbers: all pair by order, so that "else by order" holds across methods
+    methods = mod.group_methods([mod.parse_run(s) for s in specs] + [mod.parse_run(f"m={f}") for f in folders])
+    assert [[r.seed for r in m.runs] for m in methods] == [["run1", "run2"]] * 3
+
+
+def test_one_seed_pair_has_no_interval(tmp_path, capsys):
+    grpo = write_study(tmp_path, {"grpo": 0.02}, seeds=(1, 2))
+    kl = write_study(tmp_path, {"kl_cov": 0.0}, seeds=(1,))
+    code, out, err = run_main(capsys, *study_specs(tmp_path, grpo), *study_specs(tmp_path, kl), "--out", tmp_path / "p")
+    assert code == 0, err
+    rows = {cells[0]: cells[1:] for cells in markdown_rows(out, "| method - grpo |")["kl_cov"]}
+    difference, interval, pairs, verdict = rows["entropy (last 10)"]
+    last10 = [statistics.mean(r["entropy/seq_mean"] for r in recs[-10:]) for recs in (kl["kl_cov"][1], grpo["grpo"][1])]
+    assert float(difference) == pytest.approx(last10[0] - last10[1], abs=6e-4)  # seed 1 against seed 1 only
+    assert (interval, pairs, verdict) == ("n/a", "1", "one seed pair: no interval")
+    assert markdown_rows(out, "| method | seeds |")["kl_cov"][:3] == ["1", "25", f"{last10[0]:.3f}"]
