@@ -234,7 +234,18 @@ class RefConfig:
         "are brought to the GPU for its forward (slower; for a reference its GPUs cannot hold). Any "
         "--ref.num_workers; GPUs only",
     )
+    micro_batch_size: int = _f(
+        0,
+        "sequences per reference forward (0 = --actor.micro_batch_size). Under ZeRO-3 every forward gathers the "
+        "whole model (from host memory with --ref.offload), so fewer, larger forwards cost less; the limit is the "
+        "fp32 logits of a micro-batch's responses",
+    )
     timeout_s: float = _f(1800.0, "reference log-probs of one batch that take longer fail, naming the group")
+
+
+def reference_micro_batch_size(cfg: Config) -> int:
+    """Sequences per reference forward: --ref.micro_batch_size, or the policy's when it is 0."""
+    return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
 
 
 def reference_uses_deepspeed(ref: RefConfig) -> bool:
@@ -615,6 +626,7 @@ def _validate_reference(cfg: Config, need) -> None:
     ref = cfg.ref
     need(ref.num_workers >= 1, "ref.num_workers", f"{ref.num_workers} must be >= 1")
     need(ref.timeout_s > 0, "ref.timeout_s", f"{ref.timeout_s:g} must be > 0")
+    need(ref.micro_batch_size >= 0, "ref.micro_batch_size", f"{ref.micro_batch_size} must be >= 0 (0 = the policy's)")
     if not ref.enabled:
         return
     gpus = reference_gpus(cfg)

@@ -74,8 +74,9 @@ def group_needs(cfg: Config) -> list[GroupNeed]:
     if ref.enabled:
         groups.append(
             GroupNeed(
-                "reference", 1, {"CPU": ref.num_cpus, "GPU": reference_gpus(cfg), **ref.custom_resources},
-                {"CPU": "--ref.num_cpus", "GPU": "--ref.num_gpus", "*": "--ref.custom_resources"},
+                "reference", ref.num_workers, {"CPU": ref.num_cpus, "GPU": reference_gpus(cfg), **ref.custom_resources},
+                {"CPU": "--ref.num_workers x --ref.num_cpus", "GPU": "--ref.num_workers x --ref.num_gpus",
+                 "*": "--ref.num_workers x --ref.custom_resources"},
                 reads_model=True, writes_output=False,
             )
         )  # fmt: skip

@@ -23,7 +23,8 @@ def group_resources(cfg: Config) -> dict[str, dict[str, float]]:
         "reward": {"actors": w.num_workers, "GPU": 0.0, "CPU": w.num_workers * w.num_cpus_per_worker},
     }  # fmt: skip
     if ref.enabled:
-        groups["reference"] = {"actors": 1, "GPU": reference_gpus(cfg), "CPU": ref.num_cpus}
+        groups["reference"] = {"actors": ref.num_workers, "GPU": ref.num_workers * reference_gpus(cfg),
+                               "CPU": ref.num_workers * ref.num_cpus}  # fmt: skip
     return groups
 
 

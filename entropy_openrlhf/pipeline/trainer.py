@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
-from entropy_openrlhf.actors.reference import ReferenceActor
+from entropy_openrlhf.actors.reference import ReferenceGroup
 from entropy_openrlhf.actors.reward import RewardGroup
 from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.actors.weight_sync import resolve_method
@@ -40,7 +40,7 @@ from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.cluster import wait_started
-from entropy_openrlhf.config import Config, ConfigError, reference_gpus
+from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
 
@@ -175,10 +175,7 @@ class Trainer:
         self.reward = RewardGroup.from_config(cfg)
         self.reference = None
         if cfg.ref.enabled:
-            self.reference = ReferenceActor.options(
-                num_cpus=cfg.ref.num_cpus, num_gpus=reference_gpus(cfg), resources=cfg.ref.custom_resources or None
-            ).remote(self.model_path, cfg.model.dtype, cfg.actor.micro_batch_size, cfg.train.shared_prefix)
-            wait_started([self.reference.ready.remote()], "the reference model actor", cfg.ray.start_timeout_s)
+            self.reference = ReferenceGroup(cfg, self.model_path, local=local)
         self.policy = PolicyGroup(cfg, self.model_path, local=local)
         if self.sync_method == "collective":
             self.rollout.init_collective(self.policy, timeout_s=cfg.sync.timeout_s)
@@ -197,19 +194,17 @@ class Trainer:
         """The node address of every actor, by group, in rank / engine / worker order."""
         groups = {"rollout": self.rollout.actors, "policy": self.policy.actors, "reward": self.reward.workers}
         if self.reference is not None:
-            groups["reference"] = [self.reference]
+            groups["reference"] = self.reference.actors
         return actor_node_addresses(groups)
 
     def shutdown_groups(self) -> None:
-        for name in ("rollout", "reward", "policy"):
+        for name in ("rollout", "reward", "policy", "reference"):
             group = getattr(self, name, None)
             if group is not None:
                 try:
                     group.shutdown()
                 except Exception as e:  # noqa: BLE001 - shutting down must not hide the run's own error
                     print(f"warning: shutting down {name}: {e}")
-        if getattr(self, "reference", None) is not None:
-            ray.kill(self.reference)
 
     # ------------------------------------------------------------------ producer side
 
@@ -268,11 +263,7 @@ class Trainer:
         if self.reference is not None:
             t0 = time.time()
             flat = [s for g in groups for s in g]
-            ref = ray.get(
-                self.reference.log_probs.remote(
-                    [s.prompt_token_ids for s in flat], [s.response_token_ids for s in flat]
-                )
-            )
+            ref = self.reference.log_probs([s.prompt_token_ids for s in flat], [s.response_token_ids for s in flat])
             for s, lp in zip(flat, ref):
                 s.metadata = {**s.metadata, "ref_log_probs": lp}
             metrics["time/reference"] = time.time() - t0

@@ -49,7 +49,7 @@ def test_missing_gpus_fail_in_one_line_naming_the_flags():
     assert "needs 4 GPUs, the cluster has 1 free" in msg  # the reference follows the policy onto a GPU
     assert "--rollout.num_engines x --rollout.num_gpus_per_engine" in msg
     assert "--actor.num_workers x --actor.num_gpus_per_worker" in msg
-    assert "reference 1 (--ref.num_gpus)" in msg
+    assert "reference 1 (--ref.num_workers x --ref.num_gpus)" in msg
 
 
 def test_gpus_on_a_cpu_only_cluster_fail_rather_than_wait():
