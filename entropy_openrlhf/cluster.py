@@ -6,6 +6,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
+import time
+from dataclasses import dataclass
 
 import psutil
 import ray
@@ -174,3 +177,125 @@ def wait_started(refs: list, what: str, timeout_s: float) -> list:
             f"{what} did not start within {timeout_s:.0f} s (--ray.start_timeout_s): loading the model, or waiting "
             f"for a resource; free resources: {_free_resources()}"
         ) from None
+
+
+def wait_dead(actors: list, timeout_s: float) -> int:
+    """After `ray.kill`, which only asks Ray to kill: wait until every actor is gone (a call to it fails with
+    RayActorError), at most `timeout_s`. Returns how many still answered at the deadline."""
+    pending = list(actors)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        refs = [a.__ray_call__.remote(lambda _actor: None) for a in pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.1, deadline - time.monotonic()))
+        alive = []
+        for actor, ref in zip(pending, refs):
+            if ref not in ready:
+                alive.append(actor)  # no answer yet: still shutting down, or its node is unreachable
+                continue
+            try:
+                ray.get(ref)
+                alive.append(actor)  # answered: not killed yet
+            except ray.exceptions.RayActorError:
+                pass
+        pending = alive
+        if pending:
+            time.sleep(0.2)
+    return len(pending)
+
+
+# --------------------------------------------------------------------------- lost nodes
+
+# How long Ray may take to declare a node dead once it stops: the GCS probes every node every
+# health_check_period_ms (3 s), each probe waiting up to health_check_timeout_ms (10 s), and declares it dead after
+# health_check_failure_threshold (5) failures in a row: about 15 s when the node's address refuses connections (its
+# processes died, the machine is up), up to 5 x (3 + 10) = 65 s when it answers nothing (powered off, cut off). Calls
+# to its actors fail before that, as ActorUnavailableError. The driver waits this long for Ray's verdict.
+NODE_VERDICT_S = 75.0
+
+# how each group's actors are called in messages: (one, several)
+ACTOR_NOUNS = {
+    "rollout": ("rollout engine", "rollout engines"),
+    "policy": ("policy rank", "policy ranks"),
+    "reward": ("reward worker", "reward workers"),
+    "reference": ("reference rank", "reference ranks"),
+}
+
+
+@dataclass
+class LostNode:
+    node_id: str
+    address: str
+    actors: dict[str, list[int]]  # group -> indices of its actors that ran on this node
+
+    def held(self) -> str:
+        """'policy ranks 0, 1; reference rank 0; reward worker 1'"""
+        parts = []
+        for group, indices in self.actors.items():
+            one, several = ACTOR_NOUNS.get(group, (f"{group} actor", f"{group} actors"))
+            parts.append(f"{several if len(indices) > 1 else one} {', '.join(map(str, indices))}")
+        return "; ".join(parts)
+
+    def describe(self) -> str:
+        return f"node {self.address} (Ray node {self.node_id[:12]}), which held {self.held()}"
+
+
+def lost_nodes(actor_nodes: dict[str, list[str]], nodes: list[dict]) -> list[LostNode]:
+    """The nodes holding actors of `actor_nodes` (group -> the Ray node id of each actor, in order) that Ray no
+    longer counts alive (`ray.nodes()`: Alive false, or no longer listed), with the actors each held."""
+    alive = {n["NodeID"]: bool(n.get("Alive")) for n in nodes}
+    addresses = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in nodes}
+    lost: dict[str, LostNode] = {}
+    for group, node_ids in actor_nodes.items():
+        for index, node_id in enumerate(node_ids):
+            if not alive.get(node_id, False):
+                entry = lost.setdefault(node_id, LostNode(node_id, addresses.get(node_id, "?"), {}))
+                entry.actors.setdefault(group, []).append(index)
+    return list(lost.values())
+
+
+class NodeWatch:
+    """Watches, from a daemon thread, the nodes a run's actors live on: every `poll_s` it reads `ray.nodes()`, and
+    the first time one of those nodes is no longer alive it records the lost nodes and calls `on_lost` with them
+    (once). `verdict(timeout_s)` waits for that, so a caller whose actor call failed can learn whether the actor's
+    node was lost, which Ray decides some seconds after the call fails (NODE_VERDICT_S)."""
+
+    def __init__(self, actor_nodes: dict[str, list[str]], poll_s: float = 2.0, on_lost=None):
+        self.actor_nodes, self.poll_s, self.on_lost = actor_nodes, poll_s, on_lost
+        self.lost: list[LostNode] = []
+        self.seen_at: float | None = None  # time.monotonic() when the loss was seen
+        self._found = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="node-watch", daemon=True)
+
+    def start(self) -> NodeWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> list[LostNode]:
+        """Read `ray.nodes()` now; record and return the lost nodes (empty while all are alive)."""
+        if not self._found.is_set():
+            lost = lost_nodes(self.actor_nodes, ray.nodes())
+            if lost:
+                self.lost, self.seen_at = lost, time.monotonic()
+                self._found.set()
+        return self.lost
+
+    def verdict(self, timeout_s: float) -> list[LostNode]:
+        """The lost nodes, waiting up to `timeout_s` for Ray to declare one dead; empty if none was by then."""
+        self._found.wait(timeout_s)
+        return self.lost
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                lost = self.check()
+            except Exception as e:  # noqa: BLE001 - the GCS unreachable: the run's own calls fail and say so
+                print(f"[entropy-openrlhf] node watch: ray.nodes() failed: {e}", flush=True)
+                continue
+            if lost:
+                if self.on_lost is not None:
+                    self.on_lost(lost)
+                return

@@ -12,7 +12,10 @@ after the flags are parsed ("after-flags imports"): `--help` and a mistyped flag
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,7 +109,51 @@ def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None
             )
 
 
+class StopRequested(BaseException):
+    """SIGTERM in the driver: what `ray job stop`, SLURM and Kubernetes send before they SIGKILL. A BaseException,
+    like KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+
+def _stop_on_sigterm(signum: int, frame) -> None:
+    # Once stopping, further SIGTERMs are ignored: the driver is already doing what they ask (the sender's SIGKILL,
+    # after its grace period, remains the backstop).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def resume_command(pipeline: str, argv: list[str]) -> str:
+    """The command that continues this run: the same flags, with `--train.resume true`."""
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else f"pipelines/{pipeline}.py"
+    args, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--train.resume="):
+            skip = False
+            continue
+        if arg == "--train.resume":
+            skip = True  # and its value
+            continue
+        args.append(arg)
+    command = shlex.join(["python", script, *args, "--train.resume", "true"])
+    if os.environ.get("RAY_JOB_ID"):  # a submitted job: submit it again the same way
+        command = f"ray job submit <your options> -- {command}"
+    return command
+
+
+def resume_note(cfg: Config, pipeline: str, argv: list[str]) -> str:
+    """Where a resume continues from, and the command."""
+    from entropy_openrlhf.pipeline.trainer import latest_checkpoint  # after-flags imports (module docstring)
+
+    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
+    if ckpt is None:
+        where = "no complete checkpoint was saved (see --train.save_every): a resume starts again at step 0"
+    else:
+        done = int(ckpt.name.removeprefix("step"))
+        where = f"newest complete checkpoint: {ckpt} ({done} step{'s' if done != 1 else ''} done)"
+    return f"{where}. Resume with:\n  {resume_command(pipeline, argv)}"
+
+
 def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = from_args(argv, PIPELINES[pipeline], description)  # --help and flag errors exit here
     except ValueError as e:  # an unknown --preset
@@ -118,7 +165,7 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
 
     from entropy_openrlhf.cluster import init_ray, joins_cluster
     from entropy_openrlhf.pipeline.tracking import Tracker
-    from entropy_openrlhf.pipeline.trainer import Trainer, resume_point, summarize
+    from entropy_openrlhf.pipeline.trainer import NodeLostError, Trainer, resume_point, summarize
     from entropy_openrlhf.preflight import check_nodes, cluster_snapshot, fit_cluster
 
     if not cfg.logger.run_name:
@@ -152,6 +199,12 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         flush=True,
     )
     trainer = Trainer(cfg, model_path, train_items, test_items)
+    # After init_ray: ray.init installs its own SIGTERM handler (sys.exit), which stops without saying how to resume.
+    # From here a SIGTERM raises StopRequested in this thread, wherever it waits, and the groups are shut down below
+    # (before, it ends the driver, which has no actor yet).
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm) if on_main_thread else None
+    code, stopped = 0, ""
     try:
         trainer.start_groups(local=started)
         start_step = trainer.resume() if cfg.train.resume else 0
@@ -162,12 +215,33 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
             print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
         print(f"[entropy-openrlhf] final model: {final}; W&B run: {tracker.run_dir}", flush=True)
+    except NodeLostError as e:
+        code, stopped = 1, f"error: {e}"
+    except (StopRequested, KeyboardInterrupt) as e:
+        name = "SIGTERM" if isinstance(e, StopRequested) else "SIGINT"
+        when = f"during step {trainer.step_in_progress}" if hasattr(trainer, "step_in_progress") else "at start-up"
+        code = 143 if isinstance(e, StopRequested) else 130  # 128 + the signal's number, as a shell reports it
+        stopped = f"[entropy-openrlhf] stopped by {name} {when}"
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now would cut the clean-up short
+        t0 = time.monotonic()
         trainer.shutdown_groups()
+        discarded = trainer.discard_unfinished_save()
         tracker.finish()
         if started:
             ray.shutdown()
-    return 0
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    if stopped:  # the last lines the user sees: what stopped the run, what is kept, how to go on
+        cleanup = f"actors shut down in {time.monotonic() - t0:.0f} s"
+        if discarded is not None:
+            cleanup += f"; the save it was in ({discarded.name}) was removed unfinished"
+        print(f"{stopped}. {cleanup}; {resume_note(cfg, pipeline, argv)}", file=sys.stderr, flush=True)
+        if code == 1:
+            print("(resume once the node is back, or once the cluster again has the resources those actors asked for)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return code
 
 
 def pipeline_main(pipeline: str, doc: str) -> None:

@@ -14,6 +14,7 @@ order); it holds `engine_lock`, which the producer holds around each generation,
 
 from __future__ import annotations
 
+import _thread
 import json
 import math
 import os
@@ -39,10 +40,23 @@ from entropy_openrlhf.actors.weight_sync import resolve_method
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.algorithms.objectives import get_objective
-from entropy_openrlhf.cluster import wait_started
+from entropy_openrlhf.cluster import NODE_VERDICT_S, LostNode, NodeWatch, wait_dead, wait_started
 from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.samples import PromptItem, Sample
+
+
+def actor_node_ids(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """The Ray node id of each actor, by group, in the order given."""
+    # Asked through Ray's generic actor call, so no actor class needs a method for it. A lambda travels by value:
+    # a function of this module would make every actor import the trainer (and torch, in the verifier workers).
+    refs = {name: [a.__ray_call__.remote(lambda _actor: ray.get_runtime_context().get_node_id()) for a in actors]
+            for name, actors in groups.items()}  # fmt: skip
+    ids = wait_started([r for rs in refs.values() for r in rs], "the actors' node ids", timeout_s)
+    out, i = {}, 0
+    for name, rs in refs.items():
+        out[name], i = ids[i : i + len(rs)], i + len(rs)
+    return out
 
 
 def actor_node_addresses(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:
@@ -51,16 +65,13 @@ def actor_node_addresses(groups: dict[str, list], timeout_s: float = 60.0) -> di
     Each actor reports its Ray node id, and the address is the one that node registered with Ray (NodeManagerAddress
     in `ray.nodes()`): the fact Ray schedules by. The process's own guess of its IP (`get_node_ip_address`) can name
     another interface, such as the host's LAN address on a Ray started on 127.0.0.1."""
-    # Asked through Ray's generic actor call, so no actor class needs a method for it. A lambda travels by value:
-    # a function of this module would make every actor import the trainer (and torch, in the verifier workers).
-    refs = {name: [a.__ray_call__.remote(lambda _actor: ray.get_runtime_context().get_node_id()) for a in actors]
-            for name, actors in groups.items()}  # fmt: skip
-    ids = wait_started([r for rs in refs.values() for r in rs], "the actors' node ids", timeout_s)
-    addresses = node_addresses(ids, ray.nodes())
-    out, i = {}, 0
-    for name, rs in refs.items():
-        out[name], i = addresses[i : i + len(rs)], i + len(rs)
-    return out
+    return addresses_by_group(actor_node_ids(groups, timeout_s))
+
+
+def addresses_by_group(ids: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each group's Ray node ids as the addresses those nodes registered (`node_addresses`)."""
+    nodes = ray.nodes()
+    return {name: node_addresses(node_ids, nodes) for name, node_ids in ids.items()}
 
 
 def node_addresses(node_ids: list[str], nodes: list[dict]) -> list[str]:
@@ -131,6 +142,41 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
     return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."
 
 
+class NodeLostError(RuntimeError):
+    """A node that held actors of the run was lost (Ray declared it dead); the run cannot go on without them."""
+
+    def __init__(self, lost: list[LostNode], step: int, seconds_after: float | None):
+        self.lost, self.step = lost, step
+        after = "" if seconds_after is None else f"; the run stopped {seconds_after:.0f} s after Ray declared it dead"
+        nodes = " and ".join(n.describe() for n in lost)
+        super().__init__(f"lost {nodes}, during step {step}{after}")
+
+
+# Errors an actor on a lost node produces before Ray declares the node dead: its calls fail as unreachable
+# (ActorUnavailableError, a RayActorError), or a wait on it runs out.
+NODE_LOSS_SYMPTOMS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.GetTimeoutError,
+    TimeoutError,
+)
+# How long the trainer thread may go on after the node watch has seen a lost node before it is interrupted. Its
+# calls to the lost node's actors fail as soon as Ray declares the node dead; a wait that involves only surviving
+# nodes (a collective the lost peer never joins, which ends at its own timeout) would hold it longer.
+LOST_NODE_GRACE_S = 30.0
+
+
+def _causes(e: BaseException | None):
+    """`e` and the exceptions it was raised from, or while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:
     rewards, ids = [], []
     for g, group in enumerate(groups):
@@ -180,7 +226,8 @@ class Trainer:
         if self.sync_method == "collective":
             self.rollout.init_collective(self.policy, timeout_s=cfg.sync.timeout_s)
         self.startup_seconds = time.time() - t0
-        self.placement = self.actor_nodes()
+        self.actor_node_ids = self.actor_nodes()  # what the node watch reads (run)
+        self.placement = addresses_by_group(self.actor_node_ids)
         where = "; ".join(f"{group} on {', '.join(ips)}" for group, ips in self.placement.items())
         print(f"[entropy-openrlhf] actors started in {self.startup_seconds:.0f} s: {where}", flush=True)
         if self.sync_method == "collective":
@@ -191,11 +238,11 @@ class Trainer:
             print("[entropy-openrlhf] weight sync: object store", flush=True)
 
     def actor_nodes(self) -> dict[str, list[str]]:
-        """The node address of every actor, by group, in rank / engine / worker order."""
+        """The Ray node id of every actor, by group, in rank / engine / worker order."""
         groups = {"rollout": self.rollout.actors, "policy": self.policy.actors, "reward": self.reward.workers}
         if self.reference is not None:
             groups["reference"] = self.reference.actors
-        return actor_node_addresses(groups)
+        return actor_node_ids(groups)
 
     def shutdown_groups(self) -> None:
         for name in ("rollout", "reward", "policy", "reference"):
@@ -316,7 +363,9 @@ class Trainer:
                     except queue.Full:
                         continue
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
-            self.queue.put(RuntimeError(f"rollout producer failed: {e}\n{traceback.format_exc()}"))
+            failure = RuntimeError(f"rollout producer failed: {e}\n{traceback.format_exc()}")
+            failure.__cause__ = e  # the trainer reads the cause to tell a lost node from other failures
+            self.queue.put(failure)
 
     # ------------------------------------------------------------------ trainer side
 
@@ -360,11 +409,18 @@ class Trainer:
         self.engine_version = start_step
         producer = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         producer.start()
+        # a lost node fails the calls to its actors at once, but which node it was only Ray's verdict tells
+        watch = None
+        if getattr(self, "actor_node_ids", None):
+            watch = NodeWatch(self.actor_node_ids, on_lost=self._on_node_lost).start()
+        self._in_loop, self._on_main_thread = True, threading.current_thread() is threading.main_thread()
         history: list[dict[str, float]] = []
         nonfinite_run = starved_run = 0
+        ended = False
         bar = tqdm(range(start_step, cfg.train.num_steps), desc="RL steps", dynamic_ncols=True)
         try:
             for step in bar:
+                self.step_in_progress = step
                 t_step = time.time()
                 item = self.queue.get()
                 if isinstance(item, BaseException):
@@ -439,12 +495,68 @@ class Trainer:
                 )
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                     self.save(step + 1, batch.stream_after)
+            ended = True
+        except (Exception, KeyboardInterrupt) as e:
+            lost = self._lost_nodes_behind(e, watch)
+            if lost:
+                after = time.monotonic() - watch.seen_at if watch.seen_at is not None else None
+                raise NodeLostError(lost, self.step_in_progress, after) from e
+            raise
         finally:
+            self._in_loop = False
+            if watch is not None:
+                watch.stop()
             self.stop.set()
             with self.cond:
                 self.cond.notify_all()
-            producer.join(timeout=60)
+            # after a failure or a stop request the producer may be in a long call on an engine: it is a daemon
+            # thread and its calls fail once the groups are shut down, so the driver does not wait it out
+            producer.join(timeout=60 if ended else 5)
         return history
+
+    def _on_node_lost(self, lost: list[LostNode]) -> None:
+        """The node watch's callback (its own thread): stop producing, wake the trainer thread if it waits for a
+        batch, and interrupt it if it is still in the step loop LOST_NODE_GRACE_S later."""
+        print(f"[entropy-openrlhf] Ray declared lost: {' and '.join(n.describe() for n in lost)}", flush=True)
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        try:
+            self.queue.put_nowait(RuntimeError("a node holding actors of this run was lost"))
+        except queue.Full:  # a batch is waiting: the trainer is not blocked on the queue
+            pass
+
+        def interrupt() -> None:
+            if self._in_loop and self._on_main_thread:
+                print(f"[entropy-openrlhf] the trainer is still waiting {LOST_NODE_GRACE_S:.0f} s after the node was "
+                      "lost: interrupting it", flush=True)  # fmt: skip
+                _thread.interrupt_main()  # a KeyboardInterrupt, which run() turns into NodeLostError
+
+        timer = threading.Timer(LOST_NODE_GRACE_S, interrupt)
+        timer.daemon = True
+        timer.start()
+
+    def _lost_nodes_behind(self, error: BaseException, watch: NodeWatch | None) -> list[LostNode]:
+        """The lost nodes that explain `error`: those the watch has seen, or, when the error is what an actor on a
+        lost node produces (unreachable, died, a wait that ran out), those Ray declares dead within NODE_VERDICT_S.
+        Empty when no node holding actors of the run was lost (the error is the run's own)."""
+        if watch is None:
+            return []
+        try:
+            if watch.check():
+                return watch.lost
+            if isinstance(error, KeyboardInterrupt):  # Ctrl-C, not the watch's interrupt
+                return []
+            symptom = next((c for c in _causes(error) if isinstance(c, NODE_LOSS_SYMPTOMS)), None)
+            if symptom is None:
+                return []
+            first_line = (str(symptom).splitlines() or [""])[0][:200]
+            print(f"[entropy-openrlhf] {type(symptom).__name__}: {first_line}; waiting up to {NODE_VERDICT_S:.0f} s "
+                  "for Ray's verdict on the nodes of this run's actors", flush=True)  # fmt: skip
+            return watch.verdict(NODE_VERDICT_S)
+        except Exception as e:  # noqa: BLE001 - the run's own error matters more than why the check failed
+            print(f"[entropy-openrlhf] could not check the cluster's nodes: {e}", flush=True)
+            return []
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -456,6 +568,7 @@ class Trainer:
         final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        self.unfinished_save = tmp  # until the rename: a run stopped meanwhile removes it (discard_unfinished_save)
         self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
         self.policy.save_hf(str(tmp / "hf"))  # a complete HF folder: weights, config, tokenizer
         state = {
@@ -471,9 +584,29 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        self.unfinished_save = None
         shutil.rmtree(old, ignore_errors=True)
         rotate_checkpoints(root, self.cfg.train.keep_checkpoints)
         return final
+
+    def discard_unfinished_save(self, timeout_s: float = 30.0) -> Path | None:
+        """After the groups are shut down: remove the folder of a save the run stopped in (SIGTERM, a lost node,
+        an error), so no half-written checkpoint is left. The policy ranks may still be writing into it when the
+        driver stops, so it first waits (at most `timeout_s`) until they are gone. Returns the folder removed."""
+        tmp = getattr(self, "unfinished_save", None)
+        if tmp is None or not tmp.exists():
+            return None
+        left = wait_dead(self.policy.actors, timeout_s) if getattr(self, "policy", None) is not None else 0
+        if left:
+            print(f"[entropy-openrlhf] {left} policy rank(s) still answer {timeout_s:.0f} s after the kill; removing "
+                  f"{tmp} anyway", flush=True)  # fmt: skip
+        # renamed first (one atomic step), then deleted, as rotate_checkpoints does
+        doomed = tmp.with_name(".del-" + tmp.name.removeprefix(".tmp-"))
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(tmp, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        self.unfinished_save = None
+        return tmp
 
     def resume(self) -> int:
         """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, and the
