@@ -152,15 +152,14 @@ class NodeLostError(RuntimeError):
         super().__init__(f"lost {nodes}, during step {step}{after}")
 
 
-# Errors an actor on a lost node produces before Ray declares the node dead: its calls fail as unreachable
-# (ActorUnavailableError, a RayActorError), or a wait on it runs out.
+# Errors a call to an actor on a lost node fails with before Ray declares the node dead: unreachable
+# (ActorUnavailableError, a RayActorError) or died. A wait that runs out is no such sign: a lost node fails the calls
+# to its actors at once, and a wait on the surviving nodes outlasts Ray's verdict, which the node watch has by then.
 NODE_LOSS_SYMPTOMS = (
     ray.exceptions.RayActorError,
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.NodeDiedError,
     ray.exceptions.ObjectLostError,
-    ray.exceptions.GetTimeoutError,
-    TimeoutError,
 )
 # How long the trainer thread may go on after the node watch has seen a lost node before it is interrupted. Its
 # calls to the lost node's actors fail as soon as Ray declares the node dead; a wait that involves only surviving
@@ -409,10 +408,13 @@ class Trainer:
         self.engine_version = start_step
         producer = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         producer.start()
-        # a lost node fails the calls to its actors at once, but which node it was only Ray's verdict tells
+        # A lost node fails the calls to its actors at once, but which node it was only Ray's verdict tells. Watched
+        # when some actor runs on another node than the driver: if the driver's own node goes, the driver goes too.
         watch = None
-        if getattr(self, "actor_node_ids", None):
-            watch = NodeWatch(self.actor_node_ids, on_lost=self._on_node_lost).start()
+        node_ids = getattr(self, "actor_node_ids", None) or {}
+        here = ray.get_runtime_context().get_node_id() if node_ids else None
+        if any(node != here for nodes in node_ids.values() for node in nodes):
+            watch = NodeWatch(node_ids, on_lost=self._on_node_lost).start()
         self._in_loop, self._on_main_thread = True, threading.current_thread() is threading.main_thread()
         history: list[dict[str, float]] = []
         nonfinite_run = starved_run = 0
@@ -537,9 +539,9 @@ class Trainer:
         timer.start()
 
     def _lost_nodes_behind(self, error: BaseException, watch: NodeWatch | None) -> list[LostNode]:
-        """The lost nodes that explain `error`: those the watch has seen, or, when the error is what an actor on a
-        lost node produces (unreachable, died, a wait that ran out), those Ray declares dead within NODE_VERDICT_S.
-        Empty when no node holding actors of the run was lost (the error is the run's own)."""
+        """The lost nodes that explain `error`: those the watch has seen, or, when the error is what a call to an
+        actor on a lost node fails with (unreachable, died), those Ray declares dead within NODE_VERDICT_S. Empty when
+        no node holding actors of the run was lost (the error is the run's own)."""
         if watch is None:
             return []
         try:

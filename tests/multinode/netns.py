@@ -151,6 +151,12 @@ class TwoNodes:
             _run("ip", "-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", node.ifname)
             _run("ip", "-n", node.ns, "link", "set", node.ifname, "up")
             _run("ip", "-n", node.ns, "link", "set", "lo", "up")
+        for node in self.nodes:
+            self._mount(node)
+
+    def _mount(self, node: Node) -> None:
+        """Start the node's holder process: a private mount namespace with a fresh (empty) tmpfs on /tmp and
+        /dev/shm, inside the node's network namespace."""
         # The host's /tmp is first bound under a small tmpfs on /mnt (this namespace's own), so the folders to keep
         # can be bound back at their own paths once the new tmpfs covers /tmp.
         rebind = "".join(
@@ -163,18 +169,44 @@ class TwoNodes:
             f"mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs /tmp && {rebind}"
             f"mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs /dev/shm && echo ready && exec sleep infinity"
         )
-        for node in self.nodes:
-            # private mounts: the tmpfs is seen by this node's processes only, and goes when the last one exits
-            node.holder = subprocess.Popen(
-                ["ip", "netns", "exec", node.ns, "unshare", "--mount", "--propagation", "private", "sh", "-c", mounts],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            # a few mounts: a node that has not reported within 30 s will not
-            answered, _, _ = select.select([node.holder.stdout], [], [], 30.0)
-            line = node.holder.stdout.readline().strip() if answered else "no answer within 30 s"
-            if line != "ready":
-                why = node.holder.stderr.read() if node.holder.poll() is not None else line  # exited: its error
-                raise RuntimeError(f"node {node.letter}: could not mount its private /tmp: {why}")
+        # private mounts: the tmpfs is seen by this node's processes only, and goes when the last one exits
+        node.holder = subprocess.Popen(
+            ["ip", "netns", "exec", node.ns, "unshare", "--mount", "--propagation", "private", "sh", "-c", mounts],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        # a few mounts: a node that has not reported within 30 s will not
+        answered, _, _ = select.select([node.holder.stdout], [], [], 30.0)
+        line = node.holder.stdout.readline().strip() if answered else "no answer within 30 s"
+        if line != "ready":
+            why = node.holder.stderr.read() if node.holder.poll() is not None else line  # exited: its error
+            raise RuntimeError(f"node {node.letter}: could not mount its private /tmp: {why}")
+
+    def kill_node(self, node: Node) -> list[int]:
+        """Lose `node` as a machine that stops at once would: SIGKILL every process in its network namespace (Ray's
+        daemons, its workers, the holder of its private /tmp, which goes with it). Its address stays, so its peers
+        are refused rather than left waiting. Returns the pids killed; raises if any is still alive after 10 s."""
+        pids = _namespace_pids(node.ns)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if node.holder is not None:
+            node.holder.wait(timeout=10)  # reaped here, so it is not left a zombie
+            node.holder = None
+        deadline = time.monotonic() + 10.0
+        while _namespace_pids(node.ns) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _namespace_pids(node.ns)
+        if left:
+            raise RuntimeError(f"node {node.letter}: processes {left} outlived SIGKILL for 10 s")
+        return pids
+
+    def rebuild_node(self, node: Node) -> None:
+        """A replacement machine at the same address: fresh private /tmp and /dev/shm, no process yet (start Ray on
+        it with `start_node`)."""
+        assert node.holder is None, f"node {node.letter} is still up: kill_node first"
+        self._mount(node)
 
     def close(self) -> None:
         for node in self.nodes:
@@ -203,21 +235,34 @@ def start_ray(
     """`ray start` on both nodes as a cluster operator would: the head on node a, node b joining it, each with its
     own address, its interface for gloo and vLLM, and a custom resource naming it (`node_a`, `node_b`).
     `worker_env` is added to node b's environment only. Returns the head's GCS address."""
-    ray = str(root / ".venv" / "bin" / "ray")
-    head_address = f"{cluster.head.ip}:6379"
     for node in cluster.nodes:
-        node.env = {**base_env, "VLLM_HOST_IP": node.ip, "GLOO_SOCKET_IFNAME": node.ifname}
-        if node is cluster.worker:
-            node.env.update(worker_env or {})
-        common = [
-            f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}", f'--resources={{"node_{node.letter}": 1}}',
-            "--object-store-memory=400000000", "--disable-usage-stats",
-        ]  # fmt: skip
-        if node is cluster.head:
-            cmd = [ray, "start", "--head", "--port=6379", "--include-dashboard=false", *common]
-        else:
-            cmd = [ray, "start", f"--address={head_address}", *common]
-        proc = node.run(*cmd, cwd=str(root), env=node.env, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start on node {node.letter} ({node.ip}) failed:\n{proc.stdout}\n{proc.stderr}")
-    return head_address
+        extra = worker_env if node is cluster.worker else None
+        start_node(cluster, node, root=root, base_env=base_env, num_cpus=num_cpus, extra_env=extra, timeout_s=timeout_s)
+    return f"{cluster.head.ip}:6379"
+
+
+def start_node(
+    cluster: TwoNodes,
+    node: Node,
+    *,
+    root: Path,
+    base_env: dict[str, str],
+    num_cpus: int,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> None:
+    """`ray start` on one node: the head on node a, or node b joining the head (also to bring a rebuilt node b
+    back)."""
+    ray = str(root / ".venv" / "bin" / "ray")
+    node.env = {**base_env, "VLLM_HOST_IP": node.ip, "GLOO_SOCKET_IFNAME": node.ifname, **(extra_env or {})}
+    common = [
+        f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}", f'--resources={{"node_{node.letter}": 1}}',
+        "--object-store-memory=400000000", "--disable-usage-stats",
+    ]  # fmt: skip
+    if node is cluster.head:
+        cmd = [ray, "start", "--head", "--port=6379", "--include-dashboard=false", *common]
+    else:
+        cmd = [ray, "start", f"--address={cluster.head.ip}:6379", *common]
+    proc = node.run(*cmd, cwd=str(root), env=node.env, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ray start on node {node.letter} ({node.ip}) failed:\n{proc.stdout}\n{proc.stderr}")

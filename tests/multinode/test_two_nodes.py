@@ -8,10 +8,12 @@ types. The driver runs on node a, as `python pipelines/kl_cov.py` with RAY_ADDRE
 Node b's Ray inherited a MASTER_ADDR naming node a (as raylets started under SLURM may): the policy ranks must
 rendezvous on their own node's address anyway.
 
-Run 1 trains 2 steps syncing weights over gloo between the two addresses (`--sync.method collective`) and saves a
-checkpoint at step 2; run 2 resumes from it with the object-store sync and trains steps 2 and 3. After every sync
-the engine's log-probs of what it sampled must equal the trainer's (synchronous runs, so the engine holds the
-trainer's weights) within the bound the one-node tests use.
+Run 1 trains syncing weights over gloo between the two addresses (`--sync.method collective`) and saves a
+checkpoint at step 2; then node b is lost: every process on it is SIGKILLed during step 2. The driver must end
+within NODE_LOST_BOUND_S naming node b and the actors it held, with the step-2 checkpoint intact and the command
+that resumes. Node b is rebuilt (fresh /tmp, Ray started again) and run 2 resumes from the checkpoint with the
+object-store sync and trains steps 2 and 3. After every sync the engine's log-probs of what it sampled must equal
+the trainer's (synchronous runs, so the engine holds the trainer's weights) within the bound the one-node tests use.
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.multinode.netns import TwoNodes, missing_requirement, start_ray
+from tests.multinode.netns import TwoNodes, missing_requirement, start_node, start_ray
 
 ROOT = Path(__file__).parents[2]
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
 VERIFIER = str(ROOT / "tests" / "integration" / "verifiers.py") + ":digit_share"
 GAP_BOUND = 1e-3  # trainer vs engine log-probs after a sync, as in tests/integration/test_pipeline.py
 RUN_TIMEOUT_S = 600
+# From the loss of a node to the driver's exit (docs/reliability.md): Ray's verdict (about 15 s here, where the dead
+# node's address refuses connections; up to 65 s for a node that answers nothing) plus the shut-down of the groups.
+NODE_LOST_BOUND_S = 120
+NUM_CPUS = 3
 
 pytestmark = [
     pytest.mark.multinode,
@@ -53,16 +61,26 @@ def cluster():
     }
     nodes = TwoNodes(keep=[ROOT])  # a checkout under /tmp (as CI may clone it) must stay visible on the nodes
     with nodes:
-        address = start_ray(nodes, root=ROOT, base_env=base, num_cpus=3, worker_env={"MASTER_ADDR": nodes.head.ip})
+        address = start_ray(nodes, root=ROOT, base_env=base, num_cpus=NUM_CPUS, worker_env=worker_env(nodes))
         yield nodes, address, shared, base
     assert nodes.leftovers() == []
     shutil.rmtree(shared, ignore_errors=True)
 
 
-def run_pipeline(cluster, args: list[str]) -> tuple[int, str]:
-    nodes, address, _, base = cluster
+def worker_env(nodes: TwoNodes) -> dict[str, str]:
+    return {"MASTER_ADDR": nodes.head.ip}
+
+
+def pipeline_command(cluster, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The driver's command line and environment: a job's entrypoint pointed at the head (RAY_ADDRESS)."""
+    _, address, _, base = cluster
     env = {**base, "RAY_ADDRESS": address, "WANDB_MODE": "offline"}
-    cmd = [PYTHON, "pipelines/kl_cov.py", "--preset", "smoke", *args]
+    return [PYTHON, "pipelines/kl_cov.py", "--preset", "smoke", *args], env
+
+
+def run_pipeline(cluster, args: list[str]) -> tuple[int, str]:
+    nodes = cluster[0]
+    cmd, env = pipeline_command(cluster, args)
     proc = nodes.head.run(*cmd, cwd=str(ROOT), env=env, timeout=RUN_TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -81,7 +99,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "files" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_nodes_collective_then_object_store_sync_checkpoint_and_resume(cluster):
+def test_two_nodes_collective_sync_node_lost_in_step_2_then_resume_on_the_rebuilt_node(cluster):
     nodes, _, shared, _ = cluster
     out = shared / "run"
     pin = [
@@ -96,15 +114,38 @@ def test_two_nodes_collective_then_object_store_sync_checkpoint_and_resume(clust
         "--actor.custom_resources", '{"node_b": 0.1}',
         "--ref.custom_resources", '{"node_b": 0.1}',
     ]  # fmt: skip
-    code, log = run_pipeline(
-        cluster, [*pin, "--sync.method", "collective", "--train.num_steps", "2", "--train.save_every", "2"]
+    code, log, seconds = run_and_lose_node_b(
+        cluster,
+        [*pin, "--sync.method", "collective", "--train.num_steps", "4", "--train.save_every", "2"],
+        when=out / "checkpoints" / "step2" / "trainer_state.json",  # saved at the end of step 1: step 2 is under way
     )
-    assert code == 0, log[-6000:]
     where = placement(log)
     a, b = nodes.head.ip, nodes.worker.ip
     assert where["rollout"] == [a] and where["policy"] == [b, b] and where["reference"] == [b], where
     assert sorted(where["reward"]) == [a, b], where  # SPREAD puts one verifier worker on each node
-    assert (out / "checkpoints" / "step2" / "trainer_state.json").is_file()
+    b_worker = where["reward"].index(b)
+
+    # The job ends, within the bound, naming node b, every actor it held and the step, and says how to go on.
+    error = next((line for line in log.splitlines() if line.startswith("error: lost node")), None)
+    print(f"node b lost during step 2: the driver ended {seconds:.1f} s later with code {code}:\n{error}")
+    assert code == 1, log[-6000:]
+    assert seconds < NODE_LOST_BOUND_S, (seconds, log[-6000:])
+    assert error is not None, log[-6000:]
+    assert re.match(rf"error: lost node {re.escape(b)} \(Ray node [0-9a-f]+\), which held policy ranks 0, 1; reward "
+                    rf"worker {b_worker}; reference rank 0, during step 2;", error), error  # fmt: skip
+    assert f"newest complete checkpoint: {out}/checkpoints/step2 (2 steps done)" in error, error
+    resume = log.splitlines()[log.splitlines().index(error) + 1].strip()
+    assert resume.startswith("python pipelines/kl_cov.py ") and resume.endswith(" --train.resume true"), resume
+    # the newest checkpoint is intact: complete, and nothing half-written beside it
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step2"]
+    for part in ("trainer_state.json", "deepspeed/state", "hf/config.json"):
+        assert (out / "checkpoints" / "step2" / part).exists(), part
+
+    # node b comes back as a rebuilt machine (empty /tmp) at the same address, and joins the head again
+    t0 = time.monotonic()
+    nodes.rebuild_node(nodes.worker)
+    start_node(nodes, nodes.worker, root=ROOT, base_env=cluster[3], num_cpus=NUM_CPUS, extra_env=worker_env(nodes))
+    print(f"node b rebuilt and back in the cluster in {time.monotonic() - t0:.1f} s")
 
     code, log2 = run_pipeline(cluster, [*pin, "--sync.method", "object_store", "--train.num_steps", "4",
                                         "--train.resume", "true", "--train.save_every", "1"])  # fmt: skip
@@ -125,6 +166,34 @@ def test_two_nodes_collective_then_object_store_sync_checkpoint_and_resume(clust
     assert logprob_gap(out / "tiny_model", out / "final") > 10 * GAP_BOUND
     # checkpoints at steps 2, 3 and 4 on the shared folder; --train.keep_checkpoints 2 deleted the oldest
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step3", "step4"]
+
+
+def run_and_lose_node_b(cluster, args: list[str], when: Path) -> tuple[int, str, float]:
+    """Start the pipeline on node a; once `when` exists, SIGKILL every process of node b. Returns the driver's exit
+    code, its output and the seconds from the loss of node b to the driver's exit."""
+    nodes, _, shared, _ = cluster
+    cmd, env = pipeline_command(cluster, args)
+    log_path = shared / "node_lost_run.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(nodes.head.command(*cmd, cwd=str(ROOT)), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not when.exists():
+            assert proc.poll() is None, f"the run ended before {when}:\n{log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"no {when} within {RUN_TIMEOUT_S} s"
+            time.sleep(0.2)
+        nodes.kill_node(nodes.worker)
+        t0 = time.monotonic()
+        try:
+            code = proc.wait(timeout=NODE_LOST_BOUND_S + 120)  # beyond the bound: the assertion says by how much
+        except subprocess.TimeoutExpired:
+            code = None
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the driver this test started (the nodes' teardown ends the rest)
+            proc.wait(timeout=30)
+    return code, log_path.read_text(), seconds
 
 
 def logprob_gap(model_a: Path, model_b: Path) -> float:

@@ -88,3 +88,42 @@ def test_sigterm_during_a_save_leaves_no_partial_checkpoint(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step1"]
     assert latest_checkpoint(root) == root / "step1"
     assert trainer.discard_unfinished_save() is None  # nothing left to remove
+
+
+class WatchStub:
+    """A node watch that has seen nothing yet, and whose verdict, if asked for, is `verdict`."""
+
+    def __init__(self, verdict: list[LostNode]):
+        self.lost: list[LostNode] = []
+        self._verdict, self.waited_s = verdict, None
+
+    def check(self) -> list[LostNode]:
+        return self.lost
+
+    def verdict(self, timeout_s: float) -> list[LostNode]:
+        self.waited_s = timeout_s
+        return self._verdict
+
+
+def test_node_lost_verdict_is_awaited_only_after_a_call_to_an_unreachable_actor():
+    import ray.exceptions
+
+    from entropy_openrlhf.actors.rollout import WeightSyncTimeoutError
+    from entropy_openrlhf.cluster import NODE_VERDICT_S
+
+    trainer = Trainer(Config(), "unused", [], [])
+    b = LostNode("b" * 56, "198.18.0.2", {"policy": [0, 1]})
+    # what the producer hands the trainer when the reference on the lost node does not answer: the cause is chained
+    failure = RuntimeError("rollout producer failed: ...")
+    failure.__cause__ = ray.exceptions.ActorUnavailableError("the actor is temporarily unavailable", None)
+    watch = WatchStub([b])
+    assert trainer._lost_nodes_behind(failure, watch) == [b]
+    assert watch.waited_s == NODE_VERDICT_S
+    # no sign of a lost node: raised at once, as before (a stalled sync keeps its own deadline)
+    for error in (WeightSyncTimeoutError("weight sync timed out"), ValueError("a bug"), KeyboardInterrupt()):
+        watch = WatchStub([b])
+        assert trainer._lost_nodes_behind(error, watch) == [] and watch.waited_s is None, error
+    # once the watch has seen the loss, any error is explained by it
+    watch = WatchStub([])
+    watch.lost = [b]
+    assert trainer._lost_nodes_behind(ValueError("a collective broken by the lost peer"), watch) == [b]
