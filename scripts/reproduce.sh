@@ -11,7 +11,7 @@
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<run>,
 # where <run> is the method, or <method>_seed<N> in the study. The study evaluates pass@k with 16 samples per
-# held-out prompt every 5 steps and on the final weights, and checkpoints every 5 steps: a run stopped part-way
+# held-out prompt at the start, at step 13 and on the final weights, and checkpoints every 5 steps: a run stopped part-way
 # continues from its newest checkpoint (--train.resume true) when the script is started again. A run whose final
 # model exists is skipped; REPRO_FORCE=1 reruns it. Per-step metrics are copied to docs/runs/<run>/metrics.jsonl.
 set -euo pipefail
@@ -34,7 +34,8 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
     --eval.every 5 --eval.max_samples 64 --async.max_staleness 1 --logger.sample_table_every 0)
 
 # The study's extra budget: pass@k over 16 samples per held-out prompt, midway and at the end, and checkpoints.
-STUDY=(--eval.n_samples 16 --train.save_every 5 --train.keep_checkpoints 1)
+# Three evaluations (versions 0, 13 and the final 25): 64 prompts x 16 samples take minutes on two cores.
+STUDY=(--eval.n_samples 16 --eval.every 13 --train.save_every 5 --train.keep_checkpoints 1)
 # The study's Clip-Cov is the setting that gives it room at this size (docs/losses.md, "At small scale").
 declare -A STUDY_EXTRA=([clip_cov]="--preset clip-cov-small")
 

