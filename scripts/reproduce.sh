@@ -45,10 +45,11 @@ declare -A STUDY_EXTRA=([clip_cov]="--preset clip-cov-small")
 CTL_BAND=0.5,0.8
 # kl_cov_target_ratio: the same, the controller scaling KL-Cov's ratio of tokens instead of its coefficient.
 # kl_cov_band (the study): KL-Cov under the controller, holding the same band.
-declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov)
+# grpo_band: GRPO under the controller, which has only the entropy bonus to move (`--seeds 1`, METHODS=grpo_band).
+declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov [grpo_band]=grpo)
 declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
-    [kl_cov_band]="--entropy.target $CTL_BAND")
+    [kl_cov_band]="--entropy.target $CTL_BAND" [grpo_band]="--entropy.target $CTL_BAND")
 
 merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
     # a step logged again after a resume replaces the earlier row
@@ -108,7 +109,7 @@ fi
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
-    for method in grpo clip_cov kl_cov kl_cov_band; do
+    for method in grpo clip_cov kl_cov kl_cov_band grpo_band; do
         for dir in "$PLOTS"/runs/"${method}"_seed*/; do
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done
