@@ -13,15 +13,17 @@ selector (the covariance ones, the high-entropy one) selects this way through `p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from entropy_openrlhf.algorithms.losses import clip_cov_select, kl_cov_select
-from entropy_openrlhf.algorithms.objectives import TokenBatch
+from entropy_openrlhf.algorithms.objectives import LossContext, TokenBatch, get_objective
+from entropy_openrlhf.algorithms.objectives.clip_cov import ClipCovConfig
+from entropy_openrlhf.algorithms.objectives.kl_cov import KLCovConfig
 
 
 @dataclass
@@ -113,23 +115,23 @@ def global_selection(
     generator: torch.Generator | None = None,
     group=None,
 ) -> tuple[list[torch.Tensor], tuple[float, float]]:
-    """Clip-Cov's or KL-Cov's selection over all valid tokens of `micro_batches` on all ranks of `group`, with the
-    plain selection functions. Returns one bool mask per micro-batch and the global (advantage mean, log-prob mean).
-    (The trainer selects through the objectives registry with `pooled_selection`; this is the same rule for users
-    of the plain functions, and the reference the trainer's update is tested against.)"""
+    """Clip-Cov's or KL-Cov's selection over all valid tokens of `micro_batches` on all ranks of `group`, from
+    plain arguments. Returns one bool mask per micro-batch and the global (advantage mean, log-prob mean).
+
+    It runs the objective's own selector from the registry, as the trainer's `--loss.scope global` does, so the
+    two cannot drift apart; this form is for callers of the plain loss functions (their `selected=` and
+    `cov_means=`), and the reference the trainer's update is tested against."""
+    if method == "clip_cov":
+        params: Any = ClipCovConfig(ratio=ratio, lb=cov_lb, ub=cov_ub)
+    elif method == "kl_cov":
+        params = KLCovConfig(ratio=ratio)
+    else:
+        raise ValueError(f"unknown selection method {method!r}; expected 'clip_cov' or 'kl_cov'")
+    objective = get_objective(method)
+    ctx = LossContext(clip_low=clip_low, clip_high=clip_high, generator=generator)
 
     def select(pooled: TokenBatch, means: tuple[float, float]) -> tuple[torch.Tensor, dict[str, float]]:
-        lp, old, adv, valid = pooled.log_probs, pooled.old_log_probs, pooled.advantages, pooled.mask
-        if method == "clip_cov":
-            chosen = clip_cov_select(
-                lp, old, adv, valid, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
-                clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=means,
-            )  # fmt: skip
-        elif method == "kl_cov":
-            chosen = kl_cov_select(lp, adv, valid, ratio=ratio, cov_means=means)
-        else:
-            raise ValueError(f"unknown selection method {method!r}; expected 'clip_cov' or 'kl_cov'")
-        return chosen, {}
+        return objective.select(pooled, params, dataclasses.replace(ctx, cov_means=means), None), {}
 
     masks, means, _, _ = pooled_selection(micro_batches, select, group=group)
     return masks, means

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from entropy_openrlhf.algorithms.losses import LossOutput
+from entropy_openrlhf.algorithms.loss_terms import LossOutput
 
 
 @dataclass(frozen=True)

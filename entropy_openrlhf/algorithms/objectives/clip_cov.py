@@ -2,13 +2,120 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from entropy_openrlhf.algorithms.losses import LossOutput, clip_cov_loss, clip_cov_select
+from entropy_openrlhf.algorithms.loss_terms import (
+    AggMode,
+    LossOutput,
+    aggregate,
+    check_like,
+    check_ratio,
+    clip_fracs,
+    cov_metrics,
+    masked_mean,
+    ppo_terms,
+    prepare,
+    quota_metrics,
+    token_covariance,
+    weighted,
+)
 from entropy_openrlhf.algorithms.objectives.base import Knob, LossContext, TokenBatch, register_objective
 from entropy_openrlhf.options import option
+
+
+def clip_cov_select(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    generator: torch.Generator | None = None,
+    cov_means: tuple[float, float] | None = None,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's choice: max(1, floor(ratio*N)) tokens drawn uniformly from those with cov_lb < c < cov_ub that
+    PPO's clip has not already clipped. Works on any shape; returns a bool mask of the same shape.
+
+    `candidates` restricts the choice to these tokens (e.g. the high-entropy ones); the quota and the covariance
+    centring still count every valid token, so the restriction changes which tokens are picked, not how many.
+    """
+    check_ratio(ratio, "clip_cov ratio")
+    check_like("candidates", candidates, mask)
+    _, _, adv, valid, log_ratio = prepare(log_probs, old_log_probs, advantages, mask)
+    _, unclipped, clipped = ppo_terms(adv, log_ratio, clip_low, clip_high)
+    ppo_clipped = (clipped > unclipped) & valid
+    cov = token_covariance(log_probs, advantages, mask, cov_means)
+    pool = valid & ~ppo_clipped & (cov > cov_lb) & (cov < cov_ub)
+    if candidates is not None:
+        pool = pool & candidates.bool()
+    selected = torch.zeros_like(valid)
+    cand_idx = pool.flatten().nonzero().squeeze(-1)
+    if cand_idx.numel() > 0:
+        quota = max(1, math.floor(ratio * int(valid.sum())))
+        # randperm on CPU: the generator (seeded per rank and step by the trainer) makes the draw reproducible.
+        perm = torch.randperm(cand_idx.numel(), generator=generator).to(cand_idx.device)
+        selected.view(-1)[cand_idx[perm[:quota]]] = True
+    return selected
+
+
+def clip_cov_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    generator: torch.Generator | None = None,
+    selected: torch.Tensor | None = None,
+    cov_means: tuple[float, float] | None = None,
+    agg: AggMode = "token_mean",
+    normalizer: float | None = None,
+    dp_size: int = 1,
+    is_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """PPO with the gradient of a few random high-covariance tokens stopped (docs/losses.md, 'Clip-Cov').
+
+    `selected`: a precomputed selection (global scope); otherwise it is drawn here over this micro-batch.
+    """
+    check_ratio(ratio, "clip_cov ratio")
+    lp, old, adv, valid, log_ratio = prepare(log_probs, old_log_probs, advantages, mask)
+    if selected is None:
+        selected = clip_cov_select(
+            log_probs, old_log_probs, advantages, mask, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
+            clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=cov_means,
+        )  # fmt: skip
+    selected = selected.bool() & valid
+    ratio_t, unclipped, clipped = ppo_terms(adv, log_ratio, clip_low, clip_high)
+    token_loss = torch.maximum(unclipped, clipped) * (~selected).float()
+    token_loss = weighted(token_loss, is_weights, valid)
+    token_loss = torch.where(valid, token_loss, 0.0)
+    n = max(int(valid.sum()), 1)
+    cov = token_covariance(lp, adv, valid, cov_means)
+    in_bounds = valid & (cov > cov_lb) & (cov < cov_ub)  # the candidates before PPO's clip takes its own
+    metrics = {
+        "clip_cov_frac": float(selected.sum()) / n,
+        "clip_cov_in_bounds": float(in_bounds.sum()) / n,
+        "ppo_kl": masked_mean((old - lp).detach(), valid),
+        **clip_fracs(adv, ratio_t.detach(), valid, clip_low, clip_high),
+        **cov_metrics(cov, valid, selected),
+        **quota_metrics(ratio, int(valid.sum()), selected),
+    }
+    return LossOutput(aggregate(token_loss, valid, agg, normalizer, dp_size), token_loss, selected, metrics)
+
+
+# --------------------------------------------------------------------------- the objective, registered
 
 
 @dataclass

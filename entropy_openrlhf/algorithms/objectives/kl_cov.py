@@ -3,13 +3,104 @@ tokens."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from entropy_openrlhf.algorithms.losses import LossOutput, kl_cov_loss, kl_cov_select
+from entropy_openrlhf.algorithms.loss_terms import (
+    AggMode,
+    LossOutput,
+    aggregate,
+    check_like,
+    check_ratio,
+    cov_metrics,
+    masked_mean,
+    prepare,
+    quota_metrics,
+    token_covariance,
+    weighted,
+)
 from entropy_openrlhf.algorithms.objectives.base import Knob, LossContext, TokenBatch, register_objective
 from entropy_openrlhf.options import option
+
+
+def kl_cov_select(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio: float = 2e-3,
+    cov_means: tuple[float, float] | None = None,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL-Cov's choice: the max(1, floor(ratio*N)) valid tokens with the largest covariance (no bounds).
+
+    `candidates` restricts the choice to these tokens (e.g. the high-entropy ones): the top-K among them, with K
+    still counted from every valid token (at most the number of candidates) and the covariance still centred on
+    every valid token.
+    """
+    check_ratio(ratio, "kl_cov ratio")
+    check_like("candidates", candidates, mask)
+    valid = mask.bool()
+    selected = torch.zeros_like(valid)
+    n_valid = int(valid.sum())
+    pool = valid if candidates is None else valid & candidates.bool()
+    n_pool = int(pool.sum())
+    if n_pool == 0:
+        return selected
+    cov = token_covariance(log_probs, advantages, mask, cov_means)
+    if candidates is not None:
+        cov = torch.where(pool, cov, float("-inf"))
+    k = min(max(1, math.floor(ratio * n_valid)), n_pool)
+    top = torch.topk(cov.flatten(), k).indices  # entries outside the pool are -inf, so never picked while k <= n_pool
+    selected.view(-1)[top] = True
+    return selected
+
+
+def kl_cov_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio: float = 2e-3,
+    coef: float = 1.0,
+    selected: torch.Tensor | None = None,
+    cov_means: tuple[float, float] | None = None,
+    agg: AggMode = "token_mean",
+    normalizer: float | None = None,
+    dp_size: int = 1,
+    is_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """Unclipped policy gradient plus coef*|logp - old_logp| on the top-covariance tokens (docs/losses.md, 'KL-Cov').
+
+    On a purely on-policy update (logp == old_logp) the penalty and its gradient are zero: KL-Cov acts from the
+    second optimizer step of a rollout batch on.
+    """
+    check_ratio(ratio, "kl_cov ratio")
+    lp, old, adv, valid, log_ratio = prepare(log_probs, old_log_probs, advantages, mask)
+    if selected is None:
+        selected = kl_cov_select(log_probs, advantages, mask, ratio=ratio, cov_means=cov_means)
+    selected = selected.bool() & valid
+    token_loss = -adv * log_ratio.exp() + coef * log_ratio.abs() * selected.float()
+    token_loss = weighted(token_loss, is_weights, valid)
+    token_loss = torch.where(valid, token_loss, 0.0)
+    abs_kl = log_ratio.detach().abs()
+    n = max(int(valid.sum()), 1)
+    metrics = {
+        "kl_cov_frac": float(selected.sum()) / n,
+        "ppo_kl": masked_mean(abs_kl, valid),  # |d|, as verl reports it for KL-Cov
+        "kl_selected": masked_mean(abs_kl, selected),
+        "ppo_clip_frac_low": 0.0,  # KL-Cov applies no PPO clip
+        "ppo_clip_frac_high": 0.0,
+        **cov_metrics(token_covariance(lp, adv, valid, cov_means), valid, selected),
+        **quota_metrics(ratio, int(valid.sum()), selected),
+    }
+    return LossOutput(aggregate(token_loss, valid, agg, normalizer, dp_size), token_loss, selected, metrics)
+
+
+# --------------------------------------------------------------------------- the objective, registered
 
 
 @dataclass
