@@ -44,6 +44,7 @@ from entropy_openrlhf.algorithms.objectives import (
     TokenBatch,
     get_objective,
     objective_needs_entropy,
+    run_objective,
     select_tokens,
 )
 from entropy_openrlhf.algorithms.selection import pooled_selection
@@ -361,13 +362,13 @@ class PolicyActor:
                     observe_old(i)
                 # the objective's selection reads the entropy detached; only the bonus differentiates it
                 entropy = ent.detach() if needs_entropy else None
-                batch = TokenBatch(lp, old_lp[i], adv[i], b.mask, entropy=entropy, is_weights=is_weights[i])
+                # micro_batch scope: selections[i] is None and the objective selects here
                 ctx = dataclasses.replace(base, generator=self._generator(step, mini, j), selected=selections[i])
-                if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
-                    ctx.selected, selection_metrics = select_tokens(lc.type, params, lc, batch, ctx)
-                    for k, v in selection_metrics.items():
-                        add(k, v)
-                out = objective.loss(batch, params, ctx)
+                out, selection_metrics = run_objective(
+                    lc.type, params, lc, ctx, lp, old_lp[i], adv[i], b.mask, entropy=entropy, is_weights=is_weights[i]
+                )
+                for k, v in selection_metrics.items():
+                    add(k, v)
                 loss = out.loss
                 if cfg.algo.kl_coef > 0 and ref_lp is not None:
                     kl = compute_approx_kl(lp, ref_lp[i], kl_estimator=cfg.algo.kl_estimator)

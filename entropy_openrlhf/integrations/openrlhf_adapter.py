@@ -27,13 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from entropy_openrlhf.algorithms.objectives import (
-    LossContext,
-    TokenBatch,
-    get_objective,
-    objective_needs_entropy,
-    select_tokens,
-)
+from entropy_openrlhf.algorithms.objectives import LossContext, objective_needs_entropy, run_objective
 
 # The objective's metric names, as our own trainer logs them (docs/metrics.md): `loss/<name>`, and `cov/<stat>` for
 # the covariance statistics; selection metrics already carry their `select/` prefix.
@@ -231,15 +225,13 @@ class ObjectivePolicyLoss(nn.Module):
         if entropy is not None and entropy.shape != log_probs.shape:
             raise ValueError(f"entropy {tuple(entropy.shape)} does not match log_probs {tuple(log_probs.shape)}")
 
-        batch = TokenBatch(log_probs, old_log_probs, advantages, mask, entropy=entropy, is_weights=weights)
-        tokens, sequences = _as_float(batch_num_tokens), _as_float(global_batch_size)
         ctx = LossContext(
             clip_low=self.clip_eps_low,
             clip_high=self.clip_eps_high,
             dual_clip=self.dual_clip,
             agg="token_mean" if self.token_level_loss else "seq_mean_token_mean",
-            tokens=tokens,
-            sequences=sequences,
+            tokens=_as_float(batch_num_tokens),
+            sequences=_as_float(global_batch_size),
             # OpenRLHF scales by dp_size only together with a global normaliser; so does our aggregation
             dp_size=int(dp_size),
             # DeepSpeed divides every micro-batch's loss by the accumulation steps itself (OpenRLHF's batch_num_tokens
@@ -247,9 +239,10 @@ class ObjectivePolicyLoss(nn.Module):
             micro_batches=1,
             generator=self.generator(),
         )
-        selected, selection_metrics = select_tokens(self.objective, self.params, self.loss_cfg, batch, ctx)
-        ctx.selected = selected
-        out = get_objective(self.objective).loss(batch, self.params, ctx)
+        out, selection_metrics = run_objective(
+            self.objective, self.params, self.loss_cfg, ctx, log_probs, old_log_probs, advantages, mask,
+            entropy=entropy, is_weights=weights,
+        )  # fmt: skip
 
         metrics = {metric_name(k): v for k, v in {**out.metrics, **selection_metrics}.items()}
         self.last_metrics = metrics

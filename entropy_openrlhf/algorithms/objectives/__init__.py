@@ -1,8 +1,10 @@
 """Policy objectives, registered by name: one file per objective in this folder.
 
-A file registers its objective with `@register_objective(name, Config, select=..., knobs=...)` over a loss
-function `(TokenBatch, Config, LossContext) -> LossOutput`; every module here is imported below, so a new file is
-all a new objective needs (README, "Add an objective"). `--loss.type NAME` picks one; its config's fields are the
+A file holds an objective's math (its plain loss and selector functions over (B, L) tensors, built from
+algorithms/loss_terms.py) and registers it with `@register_objective(name, Config, select=..., knobs=...)` over a
+loss function `(TokenBatch, Config, LossContext) -> LossOutput`; every module here but base.py is imported below, so
+a new file is all a new objective needs (README, "Add an objective"). `run_objective` is how the trainer and the
+OpenRLHF adapter call one. `--loss.type NAME` picks one; its config's fields are the
 `--loss.NAME.FIELD` flags.
 """
 
@@ -20,6 +22,7 @@ from entropy_openrlhf.algorithms.objectives.base import (
     get_objective,
     objective_needs_entropy,
     register_objective,
+    run_objective,
     select_tokens,
 )
 
@@ -37,5 +40,6 @@ __all__ = [
     "get_objective",
     "objective_needs_entropy",
     "register_objective",
+    "run_objective",
     "select_tokens",
 ]

@@ -183,3 +183,35 @@ def select_tokens(
 def _frac(selected: torch.Tensor, mask: torch.Tensor) -> float:
     n = int(mask.bool().sum())
     return float(selected.sum()) / n if n else 0.0
+
+
+# --------------------------------------------------------------------------- one loss call
+
+
+def run_objective(
+    name: str,
+    params: Any,
+    loss_cfg: Any,
+    ctx: LossContext,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[LossOutput, dict[str, float]]:
+    """One micro-batch through objective `name`: its TokenBatch, its selection, its loss. The policy actor and the
+    OpenRLHF adapter both call this, so the two run an objective the same way.
+
+    A selection already in `ctx.selected` (made over the whole mini-batch, `--loss.scope global`) is used as it is;
+    otherwise the objective's selector, if it has one, chooses over this micro-batch. Returns the loss output and
+    the selection's metrics (empty when nothing was selected here).
+    """
+    objective = get_objective(name)
+    batch = TokenBatch(log_probs, old_log_probs, advantages, mask, entropy=entropy, is_weights=is_weights)
+    selection_metrics: dict[str, float] = {}
+    if ctx.selected is None and objective.select is not None:
+        selected, selection_metrics = select_tokens(name, params, loss_cfg, batch, ctx)
+        ctx = dataclasses.replace(ctx, selected=selected)
+    return objective.loss(batch, params, ctx), selection_metrics
