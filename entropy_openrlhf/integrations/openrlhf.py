@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -111,12 +110,10 @@ def build_settings(
 ) -> tuple[Any, SimpleNamespace]:
     """The objective's config instance and the settings of every objective (for the one its `within` points to),
     validated; errors are ValueErrors in one line naming the flag."""
-    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES, unknown_objective
 
     if name not in OBJECTIVES:
-        close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise ValueError(f"--objective {name!r}: unknown; registered: {', '.join(OBJECTIVES)}{hint}")
+        raise ValueError(f"--objective: {unknown_objective(name)}")
     overrides = {key: dict(values) for key, values in (objectives or {}).items()}
     overrides[name] = {**overrides.get(name, {}), **(params or {})}
     settings = {}

@@ -24,6 +24,7 @@ from entropy_openrlhf.algorithms.objectives.base import (
     register_objective,
     run_objective,
     select_tokens,
+    unknown_objective,
 )
 
 # Registration happens on import; sorted so that the registry (and --help) lists them in a stable order.
@@ -42,4 +43,5 @@ __all__ = [
     "register_objective",
     "run_objective",
     "select_tokens",
+    "unknown_objective",
 ]

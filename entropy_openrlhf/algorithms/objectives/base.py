@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -133,9 +134,16 @@ def register_objective(
     return wrap
 
 
+def unknown_objective(name: str) -> str:
+    """Why `name` is no objective: the registered names, and the nearest when it looks like a misspelling."""
+    close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown objective {name!r}; registered: {', '.join(OBJECTIVES)}{hint}"
+
+
 def get_objective(name: str) -> Objective:
     if name not in OBJECTIVES:
-        raise KeyError(f"unknown objective {name!r}; registered: {', '.join(OBJECTIVES)}")
+        raise KeyError(unknown_objective(name))
     return OBJECTIVES[name]
 
 
