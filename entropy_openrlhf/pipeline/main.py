@@ -17,7 +17,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from entropy_openrlhf.config import Config, ConfigError, from_args, validate
 from entropy_openrlhf.data.arith_task import write_builtin_task
@@ -26,6 +28,8 @@ from entropy_openrlhf.models.smollm2 import MODEL_NAME, ensure_smollm2
 from entropy_openrlhf.models.tiny import make_tiny_model
 from entropy_openrlhf.presets import PIPELINES
 from rewards import VerifierLoadError, load_verifier
+
+T = TypeVar("T")
 
 
 def resolve_model(cfg: Config, shared: bool = False) -> str:
@@ -134,7 +138,8 @@ def resume_command(pipeline: str, argv: list[str]) -> str:
             continue
         args.append(arg)
     command = shlex.join(["python", script, *args, "--train.resume", "true"])
-    if os.environ.get("RAY_JOB_ID"):  # a submitted job: submit it again the same way
+    # a submitted job (Ray's job supervisor gives its driver the job's config in this variable): submit it again
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ or os.environ.get("RAY_JOB_ID"):
         command = f"ray job submit <your options> -- {command}"
     return command
 
@@ -150,6 +155,18 @@ def resume_note(cfg: Config, pipeline: str, argv: list[str]) -> str:
         done = int(ckpt.name.removeprefix("step"))
         where = f"newest complete checkpoint: {ckpt} ({done} step{'s' if done != 1 else ''} done)"
     return f"{where}. Resume with:\n  {resume_command(pipeline, argv)}"
+
+
+def _cleanup_step(what: str, step: Callable[[], T], stopping: str) -> T | None:
+    """One step of the driver's clean-up. When the run is being stopped, a failure is reported in one line and the
+    clean-up goes on, so that the stop's own message still comes; otherwise it is raised as usual."""
+    try:
+        return step()
+    except Exception as e:
+        if not stopping:
+            raise
+        print(f"warning: {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
@@ -227,8 +244,9 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now would cut the clean-up short
         t0 = time.monotonic()
         trainer.shutdown_groups()
-        discarded = trainer.discard_unfinished_save()
-        tracker.finish()
+        discarded = _cleanup_step("removing an unfinished save", trainer.discard_unfinished_save, stopped)
+        # `ray job stop` and SLURM signal the driver's children too: W&B's service process may be gone already
+        _cleanup_step("finishing the W&B run", tracker.finish, stopped)
         if started:
             ray.shutdown()
         if on_main_thread:

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,55 @@ def test_a_run_that_needs_missing_gpus_fails_in_one_line(head, tmp_path):
         "(--rollout.num_engines x --rollout.num_gpus_per_engine), policy 1 (--actor.num_workers x "
         "--actor.num_gpus_per_worker)"
     }, log[-3000:]
+
+
+def ray_job(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(ROOT / ".venv/bin/ray"), "job", *args, "--address", f"http://127.0.0.1:{DASH}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(head, tmp_path):
+    # `ray job stop` sends SIGTERM and SIGKILLs RAY_JOB_STOP_WAIT_TIME_S later: 3 s by default, 30 here, as
+    # docs/reliability.md tells users to set it (in the job's runtime env, which Ray's job supervisor runs in)
+    runtime_env = {"env_vars": {"WANDB_MODE": "offline", "RAY_JOB_STOP_WAIT_TIME_S": "30"}, "excludes": EXCLUDES}
+    out_dir = tmp_path / "run"
+    job_id = f"eor-sigterm-{os.getpid()}"
+    submitted = subprocess.run(
+        [str(ROOT / ".venv/bin/ray"), "job", "submit", "--no-wait", "--submission-id", job_id,
+         "--address", f"http://127.0.0.1:{DASH}", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env),
+         "--", "python", "pipelines/kl_cov.py", "--preset", "smoke", "--train.output_dir", str(out_dir),
+         "--train.num_steps", "50", "--train.save_every", "1"],  # far more steps than it gets to run
+        cwd=ROOT, env=head, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    try:
+        deadline = next_status = time.monotonic()
+        deadline += 600
+        while not list((out_dir / "checkpoints").glob("step*/trainer_state.json")):
+            if time.monotonic() > next_status:  # the CLI takes seconds: asked now and then, the folder polled often
+                status = ray_job(head, "status", job_id).stdout
+                assert "RUNNING" in status or "PENDING" in status, status + ray_job(head, "logs", job_id).stdout[-4000:]
+                next_status = time.monotonic() + 10
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        stopped = ray_job(head, "stop", job_id)  # waits until the job has ended
+        seconds = time.monotonic() - t0
+    finally:
+        ray_job(head, "stop", job_id)  # a no-op once it has ended
+    log = ray_job(head, "logs", job_id).stdout
+    print(f"`ray job stop` returned after {seconds:.1f} s")
+    assert stopped.returncode == 0 and "was stopped" in ray_job(head, "status", job_id).stdout, stopped.stdout
+    lines = log.splitlines()
+    stop_line = next((line for line in lines if "stopped by SIGTERM during step" in line), None)
+    print(stop_line)
+    # printed after the shut-down, so the clean stop ended before the supervisor's SIGKILL
+    assert stop_line is not None, log[-4000:]
+    assert re.search(r"newest complete checkpoint: \S+/checkpoints/step\d+ ", stop_line), stop_line
+    command = lines[lines.index(stop_line) + 1].strip()
+    assert command.startswith("ray job submit <your options> -- python pipelines/kl_cov.py --preset smoke")
+    assert command.endswith("--train.num_steps 50 --train.save_every 1 --train.resume true"), command
+    assert all(p.name.startswith("step") for p in (out_dir / "checkpoints").iterdir())  # no .tmp-step<N>

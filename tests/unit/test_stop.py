@@ -52,13 +52,17 @@ def test_node_lost_error_message_names_node_step_and_actors():
 @pytest.mark.parametrize("resume_flag", [[], ["--train.resume", "false"], ["--train.resume=false"]])
 def test_sigterm_resume_command_keeps_every_flag_and_asks_for_resume(resume_flag, monkeypatch):
     monkeypatch.setattr("sys.argv", ["pipelines/clip_cov.py"])
-    monkeypatch.delenv("RAY_JOB_ID", raising=False)
+    for name in ("RAY_JOB_ID", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        monkeypatch.delenv(name, raising=False)
     argv = ["--preset", "smoke", *resume_flag, "--train.output_dir", "out dir/run", "--actor.lr", "-1e-5"]
     command = shlex.split(resume_command("clip_cov", argv))
     assert command == [
         "python", "pipelines/clip_cov.py", "--preset", "smoke", "--train.output_dir", "out dir/run",
         "--actor.lr", "-1e-5", "--train.resume", "true",
     ]  # fmt: skip
+    # the driver of a submitted job (what Ray's job supervisor sets): the same command, submitted again
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    assert resume_command("clip_cov", argv).startswith("ray job submit <your options> -- python pipelines/clip_cov.py")
 
 
 class PolicyStoppedMidSave:
