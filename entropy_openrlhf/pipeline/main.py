@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
     if stopped:  # the last lines the user sees: what stopped the run, what is kept, how to go on
-        cleanup = f"actors shut down in {time.monotonic() - t0:.0f} s"
+        cleanup = f"Actors shut down in {time.monotonic() - t0:.0f} s"
         if discarded is not None:
             cleanup += f"; the save it was in ({discarded.name}) was removed unfinished"
         print(f"{stopped}. {cleanup}; {resume_note(cfg, pipeline, argv)}", file=sys.stderr, flush=True)
