@@ -13,6 +13,10 @@ sequences and `--mini-batches` optimizer steps per rollout batch, lr 1e-5, no re
   synchronous (`--async.max_staleness 0`) and asynchronous (1).
 - Order: TRL, ours sync, ours async, TRL again (the machine's speed drifts; the two TRL runs show by how much).
 - Each side's first step (start-up, warm-up) is left out: samples/s = samples of steps 2..N / their wall time.
+- The reward column shows that each side trains on the task; it does not compare them. The two sides draw
+  different prompts (TRL's RepeatSampler shuffles with torch, our PromptStream with `random`, both seed 42), and a
+  default run scores 64 samples a side; TRL's reward function and our verifier agree on TRL's completions
+  (docs/benchmarks.md, "The reward column is not a comparison").
 
     bash benchmarks/setup_trl_env.sh                   # once
     .venv/bin/python benchmarks/vs_trl.py               # SmolLM2, 4 prompts x 4 samples x 64 tokens, 4 steps
