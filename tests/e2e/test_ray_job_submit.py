@@ -90,10 +90,11 @@ def test_a_run_that_needs_missing_gpus_fails_in_one_line(head, tmp_path):
     code, log = submit(head, {"excludes": EXCLUDES}, args, timeout=300)
     assert code != 0 and re.search(r"Job '\S+' failed", log), log[-4000:]
     errors = {line for line in log.splitlines() if line.startswith("error: ")}  # Ray repeats the job's last lines
+    # the reference follows the policy onto a GPU (--ref.num_gpus -1, auto): three GPUs in all
     assert errors == {
-        "error: the run does not fit the Ray cluster: needs 2 GPUs, the cluster has 0 free: rollout 1 "
+        "error: the run does not fit the Ray cluster: needs 3 GPUs, the cluster has 0 free: rollout 1 "
         "(--rollout.num_engines x --rollout.num_gpus_per_engine), policy 1 (--actor.num_workers x "
-        "--actor.num_gpus_per_worker)"
+        "--actor.num_gpus_per_worker), reference 1 (--ref.num_workers x --ref.num_gpus)"
     }, log[-3000:]
 
 
