@@ -24,6 +24,12 @@ def test_a_killed_engine_leaves_no_process_behind(ray_cluster, tiny_model):
         assert len(old) >= 2, f"expected vLLM's engine core as a child process of the engine, got {old}"
         # as --rollout.generate_timeout_s does: kill for Ray to restart
         ray.kill(group.actors[0], no_restart=False)
+        # ray.kill returns before the process ends: on a loaded machine the old incarnation can still answer the
+        # ping below, so wait for the engine's own process (the tree's root) to end first
+        try:
+            psutil.Process(old[0]).wait(timeout=120)
+        except psutil.NoSuchProcess:
+            pass
         group._wait_answering(0, "was killed by the test")  # the new incarnation has started vLLM
         assert [pid for pid in old if running(pid)] == []
         new = [pid for pid, _ in ray.get(group.actors[0].processes.remote(), timeout=60)]
