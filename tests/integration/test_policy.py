@@ -136,7 +136,7 @@ def test_a_taken_rendezvous_port_is_retried_on_a_new_one(ray_cluster, tiny_model
 
     import ray
 
-    from entropy_openrlhf.actors import policy
+    from entropy_openrlhf.actors import group as policy
 
     holder = socket.socket()
     holder.bind(("", 0))

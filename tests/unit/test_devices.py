@@ -3,7 +3,7 @@ a Ray cluster can hand an actor (no GPU needed)."""
 
 import pytest
 
-from entropy_openrlhf.actors.policy import accelerator_error, local_device_index
+from entropy_openrlhf.actors.devices import accelerator_error, local_device_index
 
 
 def test_ray_sets_cuda_visible_devices_so_the_actor_s_gpu_is_device_zero():

@@ -3,7 +3,7 @@ the LLM keyword arguments. Pure plumbing, tested without starting vLLM or Ray.""
 
 import pytest
 
-from entropy_openrlhf.actors import rollout
+from entropy_openrlhf.actors import engine, rollout
 from entropy_openrlhf.actors.rollout import engine_tuning_kwargs
 from entropy_openrlhf.config import from_args
 
@@ -51,8 +51,8 @@ def test_the_engine_passes_the_flags_into_llm(monkeypatch, on_gpu):
 
     FakeLLM.calls = []
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    monkeypatch.setattr(rollout, "has_cuda", lambda: on_gpu)
-    monkeypatch.setattr(rollout, "set_cpu_defaults", lambda: None)  # leaves this process's environment alone
+    monkeypatch.setattr(engine, "has_cuda", lambda: on_gpu)
+    monkeypatch.setattr(engine, "set_cpu_defaults", lambda: None)  # leaves this process's environment alone
     rollout.RolloutEngine("/m", dtype="float32", enforce_eager="auto", max_num_seqs=96, enable_prefix_caching=False)
     (kwargs,) = FakeLLM.calls
     assert kwargs["enforce_eager"] is (not on_gpu)

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from entropy_openrlhf.actors.policy import NOSET_VISIBLE_DEVICES as POLICY_NOSET
-from entropy_openrlhf.actors.rollout import NOSET_VISIBLE_DEVICES as ROLLOUT_NOSET
-from entropy_openrlhf.actors.rollout import engine_visible_devices
+from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES as POLICY_NOSET
+from entropy_openrlhf.actors.devices import engine_visible_devices
+from entropy_openrlhf.actors.engine import NOSET_VISIBLE_DEVICES as ROLLOUT_NOSET
 from entropy_openrlhf.config import ConfigError, from_args, reference_gpus, validate
 from entropy_openrlhf.preflight import group_needs
 from entropy_openrlhf.resources import group_resources
@@ -106,7 +106,7 @@ def test_a_noset_engine_sets_its_devices_before_cuda_or_vllm_start(monkeypatch):
     """RolloutEngine's constructor, up to the first CUDA query: the variable must already hold the engine's GPUs."""
     import ray
 
-    from entropy_openrlhf.actors import rollout
+    from entropy_openrlhf.actors import engine as rollout
 
     seen = {}
 

