@@ -1,7 +1,7 @@
 """Shared-prefix packing: the full policy train step and the reference pass with `--train.shared_prefix` off, on
 and auto, side by side.
 
-One `PolicyGroup` (a Ray actor, DeepSpeed on CPU) and one `ReferenceActor` serve every variant; the variant is
+One `PolicyGroup` (a Ray actor, DeepSpeed on CPU) and one `ReferenceGroup` serve every variant; the variant is
 switched inside the actors between steps (the mode and the model's attention implementation). The variants take
 turns within every repeat (the order rotates) and each step is timed inside the actor (`time/train_actor`: old
 log-probs, then every mini-batch's forward, backward and optimizer step); the reference pass is timed around its
@@ -83,7 +83,7 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
     from transformers import AutoConfig
 
     from entropy_openrlhf.actors.policy import PolicyGroup
-    from entropy_openrlhf.actors.reference import ReferenceActor
+    from entropy_openrlhf.actors.reference import ReferenceGroup
     from entropy_openrlhf.config import from_args, validate
 
     prompts, n, _, _, micro = SHAPES[shape]
@@ -99,7 +99,7 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
     validate(cfg)
     batch = make_batch(shape, AutoConfig.from_pretrained(model_path).vocab_size)
     group = PolicyGroup(cfg, model_path)
-    reference = ReferenceActor.options(num_cpus=0.5).remote(model_path, "auto", micro, "auto")
+    reference = ReferenceGroup(cfg, model_path)  # as training runs it: one rank, the policy's micro-batch
     times: dict[str, dict[str, list[float]]] = {m: {"step": [], "reference": []} for m in MODES}
     step = 0
     try:
@@ -107,11 +107,11 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
             k = r % len(MODES)
             for mode in MODES[k:] + MODES[:k]:
                 ray.get([a.__ray_call__.remote(set_mode, mode) for a in group.actors])
-                ray.get(reference.__ray_call__.remote(set_mode, mode))
+                ray.get([a.__ray_call__.remote(set_mode, mode) for a in reference.actors])
                 metrics = group.train_step(batch, step)
                 step += 1
                 t0 = time.perf_counter()
-                ray.get(reference.log_probs.remote([s.prompt_ids for s in batch], [s.response_ids for s in batch]))
+                reference.log_probs([s.prompt_ids for s in batch], [s.response_ids for s in batch])
                 ref_s = time.perf_counter() - t0
                 if r > 0:
                     times[mode]["step"].append(metrics["time/train_actor"])
@@ -120,7 +120,7 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
                       f"{ref_s:6.2f} s", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         group.shutdown()
-        ray.kill(reference)
+        reference.shutdown()
     return times
 
 
