@@ -170,6 +170,12 @@ def cov_metrics(cov: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor) 
     }
 
 
+def selection_quota(ratio: float, n_valid: int) -> int:
+    """Tokens a covariance selection takes from `n_valid`: max(1, floor(ratio * N)), as the reference code does
+    (so at least one token, however small the batch)."""
+    return max(1, math.floor(ratio * n_valid))
+
+
 def quota_metrics(ratio: float, n_valid: int, selected: torch.Tensor) -> dict[str, float]:
     """Whether a covariance selection can act at this size: its quota max(1, floor(ratio * N)) over this call's
     valid tokens, and `select_starved` = 1 when the call selected nothing or its quota is the one-token floor
@@ -177,7 +183,7 @@ def quota_metrics(ratio: float, n_valid: int, selected: torch.Tensor) -> dict[st
     floor_only = ratio * n_valid < 1
     return {
         "select_tokens": float(n_valid),
-        "select_quota": float(max(1, math.floor(ratio * n_valid))),
+        "select_quota": float(selection_quota(ratio, n_valid)),
         "select_starved": float(floor_only or not bool(selected.any())),
     }
 

@@ -316,9 +316,17 @@ class Trainer:
         metrics["rollout/engine_restarts"] = float(self.rollout.restarts)  # engines Ray restarted, so far
         return Batch(step, groups, metrics, (self.stream.epoch, self.stream.offset))
 
-    def _maybe_evaluate(self) -> None:
+    def _maybe_evaluate(self, final: bool = False) -> None:
+        """Evaluate the weights the engines hold, once per version: every `eval.every` versions, or with `final`
+        (after the last step, once the producer has generated its last batch) whatever `eval.every` divides."""
         cfg = self.cfg
-        if cfg.eval.every <= 0 or not self.test_items or self.engine_version % cfg.eval.every:
+        if cfg.eval.every <= 0 or not self.test_items:
+            return
+        if final:
+            self._apply_pending_weights()  # object-store sync: the final weights are still pending
+            if self.engine_version != self.latest_version:
+                return
+        elif self.engine_version % cfg.eval.every:
             return
         if any(v == self.engine_version for v, _ in self.eval_results):
             return
@@ -328,21 +336,6 @@ class Trainer:
             result = evaluate(self.rollout, self.reward, self.test_items, cfg)
         result["time/eval"] = time.time() - t0
         self.eval_results.append((self.engine_version, result))
-
-    def _evaluate_final_weights(self) -> None:
-        """After the last step: the weights the run ends with, evaluated once more whatever `eval.every` divides
-        (the producer, which evaluates between batches, has generated its last batch by then)."""
-        if self.cfg.eval.every <= 0 or not self.test_items:
-            return
-        self._apply_pending_weights()  # object-store sync: the final weights are still pending
-        version = self.latest_version
-        if self.engine_version != version or any(v == version for v, _ in self.eval_results):
-            return
-        t0 = time.time()
-        with self.engine_lock:
-            result = evaluate(self.rollout, self.reward, self.test_items, self.cfg)
-        result["time/eval"] = time.time() - t0
-        self.eval_results.append((version, result))
 
     def _produce(self) -> None:
         try:
@@ -465,7 +458,7 @@ class Trainer:
                         print("[entropy-openrlhf] the rollout producer did not end within 60 s of the last step: "
                               "the final weights are not evaluated", flush=True)  # fmt: skip
                     else:
-                        self._evaluate_final_weights()  # logged with this last step
+                        self._maybe_evaluate(final=True)  # logged with this last step
                 for version, result in self.eval_results:
                     metrics.update({k: v for k, v in result.items()})
                     metrics["eval/policy_version"] = float(version)

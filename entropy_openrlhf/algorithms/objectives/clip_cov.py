@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from entropy_openrlhf.algorithms.loss_terms import (
     ppo_terms,
     prepare,
     quota_metrics,
+    selection_quota,
     token_covariance,
     weighted,
 )
@@ -59,7 +59,7 @@ def clip_cov_select(
     selected = torch.zeros_like(valid)
     cand_idx = pool.flatten().nonzero().squeeze(-1)
     if cand_idx.numel() > 0:
-        quota = max(1, math.floor(ratio * int(valid.sum())))
+        quota = selection_quota(ratio, int(valid.sum()))
         # randperm on CPU: the generator (seeded per rank and step by the trainer) makes the draw reproducible.
         perm = torch.randperm(cand_idx.numel(), generator=generator).to(cand_idx.device)
         selected.view(-1)[cand_idx[perm[:quota]]] = True

@@ -3,7 +3,6 @@ tokens."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from entropy_openrlhf.algorithms.loss_terms import (
     masked_mean,
     prepare,
     quota_metrics,
+    selection_quota,
     token_covariance,
     weighted,
 )
@@ -52,7 +52,7 @@ def kl_cov_select(
     cov = token_covariance(log_probs, advantages, mask, cov_means)
     if candidates is not None:
         cov = torch.where(pool, cov, float("-inf"))
-    k = min(max(1, math.floor(ratio * n_valid)), n_pool)
+    k = min(selection_quota(ratio, n_valid), n_pool)
     top = torch.topk(cov.flatten(), k).indices  # entries outside the pool are -inf, so never picked while k <= n_pool
     selected.view(-1)[top] = True
     return selected
