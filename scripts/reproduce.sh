@@ -73,6 +73,11 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
         echo "== $run: finished earlier in $OUT/$run, skipped"
         return
     fi
+    # a study run committed by an earlier sitting (its outputs/ gone with that machine) is not run again
+    if [[ $run == *_seed* && -f "$PLOTS/runs/$run/metrics.jsonl" && -z "${REPRO_FORCE:-}" ]]; then
+        echo "== $run: its metrics are in $PLOTS/runs/$run, skipped"
+        return
+    fi
     if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
         resume=(--train.resume true)
         echo "== $run: continuing from its newest checkpoint, $(date -u +%H:%M:%S)"
