@@ -77,7 +77,7 @@ def reap(tree: list[tuple[int, float]], what: str, timeout_s: float = REAP_TIMEO
     targets: dict[int, psutil.Process] = {}
     for pid, started in tree:
         p = _same_process(pid, started)
-        if p is None:
+        if p is None or p.pid == os.getpid():  # never this process nor, by sweeping, its own live children
             continue
         targets[p.pid] = p
         try:
@@ -85,7 +85,7 @@ def reap(tree: list[tuple[int, float]], what: str, timeout_s: float = REAP_TIMEO
                 targets.setdefault(child.pid, child)
         except psutil.NoSuchProcess:
             pass
-    targets.pop(os.getpid(), None)  # never this process (a record written by this very process)
+    targets.pop(os.getpid(), None)  # nor this process found as someone's child
     for p in targets.values():
         try:
             p.send_signal(signal.SIGKILL)  # psutil checks the pid still names this process first

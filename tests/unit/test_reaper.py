@@ -88,9 +88,15 @@ def test_a_reused_pid_is_not_taken_for_a_recorded_process():
         other.wait(timeout=30)
 
 
-def test_the_reaping_process_never_kills_itself():
+def test_the_reaping_process_never_kills_itself_nor_its_own_children():
     me = psutil.Process()
-    assert reaper.reap([(me.pid, me.create_time())], "a record of this very process") == []
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # as a test runner's services
+    try:
+        assert reaper.reap([(me.pid, me.create_time())], "a record of this very process") == []
+        assert running(mine.pid)
+    finally:
+        mine.kill()
+        mine.wait(timeout=30)
 
 
 def test_processes_that_will_not_die_fail_in_time_naming_them(orphan, monkeypatch):
