@@ -26,6 +26,7 @@ from entropy_openrlhf.cluster import init_ray
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.trainer import Trainer
 from entropy_openrlhf.samples import PromptItem, Sample
+from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
 
 @ray.remote(num_cpus=0)
@@ -39,9 +40,12 @@ class HoldingActor:
 
 class StandInRollout:
     restarts = 0  # the trainer logs how many engines Ray restarted
+    actors: list = []  # no engine: the object-store sync's loads are empty
+    tensor_parallel_size = 1
 
     def __init__(self, seconds: float):
         self.actor, self.seconds = HoldingActor.remote(), seconds
+        self.version = 0
 
     def generate(self, prompts: list[PromptItem], *, n: int, policy_version: int, **_) -> list[Sample]:
         ray.get(self.actor.hold.remote(self.seconds))
@@ -50,9 +54,6 @@ class StandInRollout:
             for p in prompts
             for j in range(n)
         ]
-
-    def update_weights(self, state, version: int, timeout_s: float = 0.0) -> float:
-        return 0.0
 
     def shutdown(self) -> None:
         ray.kill(self.actor)
@@ -89,15 +90,13 @@ def measure(gen_s: float, train_s: float, staleness: int, steps: int) -> float:
     """Seconds per step in the steady state: the median step time after the first three. The first cannot
     overlap, and the producer starts up to max_staleness batches ahead, which a mean over a short run would count
     as speed (it measured above the bound that way)."""
-    # the stand-ins hand weights over through the object-store call (StandInRollout.update_weights, a no-op): pin
-    # that path, whatever --sync.method defaults to
-    cfg = from_args(
-        ["--async.max_staleness", str(staleness), "--train.num_steps", str(steps + 3), "--sync.method", "object_store"]
-    )
+    cfg = from_args(["--async.max_staleness", str(staleness), "--train.num_steps", str(steps + 3)])
     items = [PromptItem(i, f"q{i}", "0") for i in range(64)]
     trainer = Trainer(cfg, "", items, [])
     trainer.rollout, trainer.reward, trainer.reference = StandInRollout(gen_s), StandInReward(), None
     trainer.policy = StandInPolicy(train_s)
+    # the object-store sync, whose exports and loads are empty here: the producer makes the engines current as in a run
+    trainer.sync = ObjectStoreSync(trainer.rollout, trainer.policy)
     try:
         history = trainer.run()
     finally:

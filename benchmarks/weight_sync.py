@@ -4,9 +4,10 @@ For each model a real `PolicyGroup` (DeepSpeed on CPU) and a real `RolloutGroup`
 Ray, then the sync paths take turns, `--repeats` times each:
 - object store (`--sync.method object_store`): the policy exports its weights to the driver
   (`PolicyGroup.export_weights`), which puts them once in Ray's object store, in `--sync.max_chunk_mb` chunks, for
-  every engine to reload (`RolloutGroup.update_weights`); the time is export + load, as the trainer spends it;
+  every engine to reload (`ObjectStoreSync.publish` then `make_current`); the time is export + load, as the trainer
+  spends it;
 - collective (`--sync.method collective`, what `auto` picks on CPU and GPU): the policy's rank 0 broadcasts every
-  tensor to the engines' workers over gloo (`RolloutGroup.update_weights_collective`); the one-off group set-up is
+  tensor to the engines' workers over gloo (`CollectiveSync.update_weights`); the one-off group set-up is
   shown apart.
 MB moved = the bytes of the weights (each engine receives all of them). The same run times one rollout batch of the
 demo (8 prompts x 4 samples x up to 128 tokens of the built-in task) on the same engines, and shows each sync as a
@@ -60,15 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=8, help="prompts of the timed rollout batch")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt of the timed rollout batch")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--paths", default="auto", help="auto (every path this checkout has) | object_store | collective")
+    ap.add_argument("--paths", default="auto", help="auto (both) | object_store | collective")
     return ap.parse_args(argv)
-
-
-def has_collective() -> bool:
-    """The collective path is newer than the object-store one; measure it where the checkout has it."""
-    from entropy_openrlhf.actors.rollout import RolloutGroup
-
-    return hasattr(RolloutGroup, "update_weights_collective") and hasattr(RolloutGroup, "init_collective")
 
 
 def nudge(actor_self, seed: int) -> None:
@@ -94,6 +88,8 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
     from entropy_openrlhf.data.arith_task import write_builtin_task
     from entropy_openrlhf.data.dataset import load_prompts
     from entropy_openrlhf.models import model_folder
+    from entropy_openrlhf.sync.collective import CollectiveSync
+    from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
     model_path = model_folder(name, tmp)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -120,6 +116,11 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
         del state
 
         rollout_version = [0]  # bumped by every sync
+        # the run's settings but a long deadline: a loaded machine must not turn a slow sync into a failure
+        syncs = {
+            "object_store": ObjectStoreSync(rollout, policy, timeout_s=600, max_chunk_mb=cfg.sync.max_chunk_mb),
+            "collective": CollectiveSync(rollout, policy, timeout_s=600, max_chunk_mb=cfg.sync.max_chunk_mb),
+        }
 
         def generate() -> float:
             t0 = time.perf_counter()
@@ -146,9 +147,10 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
                 result.gaps_before.append(gap())
             t0 = time.perf_counter()
             if path == "object_store":
-                rollout.update_weights(policy.export_weights(), rollout_version[0], timeout_s=600)
+                syncs[path].publish(rollout_version[0])
+                syncs[path].make_current()
             else:
-                rollout.update_weights_collective(policy, rollout_version[0], timeout_s=600)
+                syncs[path].update_weights(rollout_version[0])
             seconds = time.perf_counter() - t0
             if check:
                 result.gaps_after.append(gap())
@@ -158,7 +160,7 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
         result = Result(label, dtype, megabytes, generation_s=0.0)
         if "collective" in paths:
             t0 = time.perf_counter()
-            rollout.init_collective(policy, timeout_s=600)
+            syncs["collective"].setup()
             result.setup_s = time.perf_counter() - t0
         generate()  # warm-up
         for path in paths:
@@ -189,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from entropy_openrlhf.cluster import init_ray
 
-        available = ["object_store"] + (["collective"] if has_collective() else [])
-        paths = available if args.paths == "auto" else [args.paths]
-        if not set(paths) <= set(available):
-            raise RuntimeError(f"--paths {args.paths}: this checkout has only {', '.join(available)}")
+        paths = ["object_store", "collective"] if args.paths == "auto" else [args.paths]
         started = init_ray(num_cpus=8)
         try:
             for name in models:

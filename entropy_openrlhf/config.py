@@ -19,10 +19,11 @@ from typing import Any
 from entropy_openrlhf.algorithms import entropy_control
 from entropy_openrlhf.algorithms.advantages import ESTIMATORS
 from entropy_openrlhf.algorithms.entropy_control import EntropyControlConfig
-from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+from entropy_openrlhf.algorithms.objectives import OBJECTIVES, within_chain
 from entropy_openrlhf.options import choice_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
 from entropy_openrlhf.presets import PRESETS
+from entropy_openrlhf.sync.factory import WeightSyncSettings
 
 
 class Section:
@@ -345,23 +346,7 @@ class AsyncConfig(Section):
 
 
 @dataclass
-class SyncConfig(Section):
-    timeout_s: float = _f(300.0, "a weight sync that takes longer fails with a clear error instead of hanging")
-    method: str = _f(
-        "auto",
-        "auto (= collective: a broadcast over NCCL when the policy and the engines have GPUs, gloo otherwise; "
-        "4.6x faster than the object store for SmolLM2 on CPU, docs/benchmarks.md) | object_store | collective",
-        choices=("auto", "object_store", "collective"),
-    )
-    max_chunk_mb: float = _f(
-        256.0,
-        "object-store sync: the weights travel in chunks of at most this many MiB (a larger tensor is split and "
-        "put back together on the engine). vLLM's RPC refuses messages over 4 GiB, and each chunk is copied a few "
-        "times on its way (object store, serialisation, RPC), so 256 keeps those copies near 1 GB; a 15 GB 7B "
-        "model is ~60 chunks, whose per-chunk round trip (milliseconds) is lost in the copy time. Fractions are "
-        "allowed (tests cut a tiny model into many chunks)",
-    )
-
+class SyncConfig(WeightSyncSettings, Section):  # the fields and their help: sync/factory.py
     def checks(self) -> list[str]:
         return _failed(
             (self.timeout_s > 0, "sync.timeout_s", "must be > 0"),
@@ -775,18 +760,10 @@ def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
         for error in obj.validate(getattr(lc, name), cfg):
             flag, _, why = error.partition(": ")
             need(False, flag.removeprefix("--"), why)
-        within = getattr(getattr(lc, name), "within", "")
-        if within:
-            inner = OBJECTIVES.get(within)
-            ok = (
-                inner is not None
-                and inner.select is not None
-                and within != name
-                and not getattr(getattr(lc, within), "within", "")
-            )
-            with_selector = [n for n, o in OBJECTIVES.items() if o.select is not None and n != name]
-            why = f"{within!r}: '' or an objective that selects tokens: {', '.join(with_selector)}"
-            need(ok, f"loss.{name}.within", why)
+        try:
+            within_chain(name, lc)
+        except ValueError as e:
+            need(False, f"loss.{name}.within", str(e))
     obj = OBJECTIVES[lc.type]
     notes.extend(obj.notes(getattr(lc, lc.type), cfg))
     if cfg.entropy.target:

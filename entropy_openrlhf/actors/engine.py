@@ -10,7 +10,7 @@ like with like. `sequence_log_probs` scores given token sequences (prompt_logpro
 
 The engine's end of both weight syncs (rollout.py tells them apart): `update_weights` stages object-store chunks on
 its vLLM workers and reloads them in one call; `init_weight_sync` / `receive_weights` join the trainer's broadcast
-group and receive from it (vllm_worker.py holds the workers' side of both).
+group and receive from it (sync/receiver.py holds the workers' side of both).
 
 vLLM is imported inside RolloutEngine's methods ("engine-only imports"): the driver imports this module for
 RolloutGroup to spawn, and would otherwise load vLLM for nothing (`from vllm import LLM`: ~7.5 s of CPU and ~380 MB
@@ -29,15 +29,15 @@ import ray
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, engine_visible_devices
 from entropy_openrlhf.actors.reaper import process_tree, reap_recorded, write_record
-from entropy_openrlhf.actors.weight_chunks import serialize_chunk
 from entropy_openrlhf.actors.weight_names import check_weight_names
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
 from entropy_openrlhf.models.dtype import vllm_dtype
 from entropy_openrlhf.samples import PromptItem, Sample
+from entropy_openrlhf.sync.chunks import serialize_chunk
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "entropy_openrlhf.actors.vllm_worker.WeightSyncExtension"
+WORKER_EXTENSION = "entropy_openrlhf.sync.receiver.WeightSyncExtension"
 
 
 class StaleEngineError(RuntimeError):
@@ -298,7 +298,7 @@ class RolloutEngine:
         for item in chunks:
             chunk = ray.get(item) if isinstance(item, ray.ObjectRef) else item
             names.update(piece.name for piece in chunk)
-            # one RPC per chunk keeps every message far below msgspec's 4 GiB limit (weight_chunks.py)
+            # one RPC per chunk keeps every message far below msgspec's 4 GiB limit (sync/chunks.py)
             payload = chunk if self.workers_in_process else serialize_chunk(chunk)
             self.llm.collective_rpc("stage_trainer_weights", args=(sync_id, payload))
             del chunk, payload  # at most one chunk in this process at a time
@@ -333,7 +333,7 @@ class RolloutEngine:
 
     def reload_log_counts(self) -> list[dict]:
         """Per vLLM worker: the layers whose "Failed to load weights" is known harmless, how many such messages
-        were dropped, and how many about other layers were let through (vllm_worker.KnownUnloadedFilter)."""
+        were dropped, and how many about other layers were let through (receiver.KnownUnloadedFilter)."""
         return self.llm.collective_rpc("reload_log_counts")
 
     def device_report(self) -> tuple[str, bool]:

@@ -12,7 +12,6 @@ import torch
 
 from entropy_openrlhf.actors.group import ActorGroup
 from entropy_openrlhf.actors.policy_actor import MAX_METRICS, SUMMED_LOSSES, PolicyActor, TrainSample, mean
-from entropy_openrlhf.actors.weight_chunks import ExportedWeights
 from entropy_openrlhf.config import Config
 
 __all__ = ["PolicyActor", "PolicyGroup", "TrainSample"]  # the actor and its sample type, where they always were
@@ -75,8 +74,8 @@ class PolicyGroup(ActorGroup):
         return merged
 
     def export_weights(self, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-        """Full HF-named weights from rank 0, tagged with `--sync.max_chunk_mb` for the object-store sync. With
-        `timeout_s`, raises TimeoutError naming the policy when the ranks have not answered by then."""
+        """Full HF-named weights from rank 0. With `timeout_s`, raises TimeoutError naming the policy when the ranks
+        have not answered by then."""
         try:
             state = ray.get(self._on_all_ranks("export_weights"), timeout=timeout_s)[0]
         except ray.exceptions.GetTimeoutError:
@@ -84,7 +83,7 @@ class PolicyGroup(ActorGroup):
                 f"the policy group did not export its weights within {timeout_s:.0f} s (its ranks run their calls in "
                 "order: a long training step delays the export)"
             ) from None
-        return ExportedWeights(state, self.cfg.sync.max_chunk_mb)
+        return state
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
         """Collective weight sync set-up: rank 0's SyncEndpoint (host, port, backend, weight list)."""

@@ -34,8 +34,6 @@ import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
-from entropy_openrlhf.actors.store import init_default_group
-from entropy_openrlhf.actors.weight_sync import WeightSender
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
 from entropy_openrlhf.algorithms.metrics import entropy_stats
 from entropy_openrlhf.algorithms.objectives import (
@@ -50,6 +48,8 @@ from entropy_openrlhf.algorithms.selection import pooled_selection
 from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.models.dtype import resolve_dtype
+from entropy_openrlhf.rendezvous import init_default_group
+from entropy_openrlhf.sync.group import WeightSender
 
 
 @dataclass
@@ -129,7 +129,7 @@ class PolicyActor:
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         # The ranks meet on a store we host, not through "env://": torch's own rendezvous server listens on every
-        # interface (actors/store.py), ours only on master_addr. DeepSpeed then adopts the initialised group.
+        # interface (rendezvous.py), ours only on master_addr. DeepSpeed then adopts the initialised group.
         backend = "nccl" if self.cuda else "gloo"
         init_default_group(backend, master_addr, master_port, rank, world_size, cfg.ray.start_timeout_s)
         deepspeed.init_distributed(dist_backend=backend)
@@ -461,7 +461,7 @@ class PolicyActor:
                     state[name] = param.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
 
-    # collective weight sync (weight_sync.py): rank 0 broadcasts to the rollout engines, ZeRO-3 ranks help gather
+    # collective weight sync (sync/group.py): rank 0 broadcasts to the rollout engines, ZeRO-3 ranks help gather
 
     def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
         """Every rank: prepare to send. Rank 0 also hosts the group's store and returns its SyncEndpoint."""

@@ -12,7 +12,7 @@ Each rank runs on the GPU Ray gave it (the CPU when it gave none), in one of two
 
 A rank with fewer micro-batches than its peers runs a two-token stand-in for each one it lacks: every ZeRO-3 forward
 gathers each module's parameters from all ranks. The ranks meet on a store bound to their master address
-(actors/store.py), as the policy's do.
+(rendezvous.py), as the policy's do.
 
 transformers, DeepSpeed and actors/forward.py (which loads OpenRLHF, hence transformers, DeepSpeed and peft) are
 imported inside the actor's methods ("actor-only imports"): the driver imports this module for ReferenceGroup to
@@ -30,10 +30,10 @@ import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
-from entropy_openrlhf.actors.store import init_default_group
 from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config, reference_micro_batch_size, reference_uses_deepspeed
 from entropy_openrlhf.models.dtype import resolve_dtype
+from entropy_openrlhf.rendezvous import init_default_group
 
 
 def reference_ds_config(hidden_size: int, bf16: bool, micro_batch_size: int, offload: bool) -> dict:

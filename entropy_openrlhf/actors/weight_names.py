@@ -1,7 +1,7 @@
 """Whether every weight the policy exports is one the rollout engine can load, checked when an engine starts.
 
 The policy exports `named_parameters()` of its transformers module (PolicyActor.export_weights), and the engines load
-them through vLLM's reload in checkpoint format (vllm_worker.py): each name must be one of the checkpoint's, which
+them through vLLM's reload in checkpoint format (sync/receiver.py): each name must be one of the checkpoint's, which
 is what the engine's model loaded at start-up. For dense models the two agree. transformers 5 builds some families
 with modules that fuse checkpoint tensors (the MoE experts of Mixtral and Qwen-MoE become one `experts.gate_up_proj`
 per layer) and splits them again only when it saves: their exported names are not the checkpoint's, and the first

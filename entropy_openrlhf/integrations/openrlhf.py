@@ -110,7 +110,7 @@ def build_settings(
 ) -> tuple[Any, SimpleNamespace]:
     """The objective's config instance and the settings of every objective (for the one its `within` points to),
     validated; errors are ValueErrors in one line naming the flag."""
-    from entropy_openrlhf.algorithms.objectives import OBJECTIVES, unknown_objective
+    from entropy_openrlhf.algorithms.objectives import OBJECTIVES, unknown_objective, within_chain
 
     if name not in OBJECTIVES:
         raise ValueError(f"--objective: {unknown_objective(name)}")
@@ -130,27 +130,16 @@ def build_settings(
         unknown = next(iter(overrides))
         raise ValueError(f"--objective.{unknown}.*: no objective {unknown!r}; registered: {', '.join(OBJECTIVES)}")
     loss_cfg = SimpleNamespace(type=name, **settings)
-    for key in _with_within(name, loss_cfg):
+    try:
+        chain = within_chain(name, loss_cfg)
+    except ValueError as e:
+        raise ValueError(f"--objective.within {e}") from None
+    for key in chain:
         errors = OBJECTIVES[key].validate(getattr(loss_cfg, key), None)
         if errors:
             prefix = "--objective." if key == name else f"--objective.{key}."
             raise ValueError("; ".join(e.replace(f"--loss.{key}.", prefix) for e in errors))
     return getattr(loss_cfg, name), loss_cfg
-
-
-def _with_within(name: str, loss_cfg: SimpleNamespace) -> list[str]:
-    """`name` and the chain of objectives its `within` setting points to, each checked to exist and select."""
-    from entropy_openrlhf.algorithms.objectives import OBJECTIVES
-
-    chain = [name]
-    within = getattr(getattr(loss_cfg, name), "within", "")
-    while within:
-        if within not in OBJECTIVES or OBJECTIVES[within].select is None or within in chain:
-            selectors = [k for k, o in OBJECTIVES.items() if o.select is not None and k != name]
-            raise ValueError(f"--objective.within {within!r}: must name another selecting objective: {selectors}")
-        chain.append(within)
-        within = getattr(getattr(loss_cfg, within), "within", "")
-    return chain
 
 
 # --------------------------------------------------------------------------- install

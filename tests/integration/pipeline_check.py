@@ -4,7 +4,7 @@ must start with, such as VLLM_ENABLE_V1_MULTIPROCESSING=1. Run as
 
 - steps: the steps the run logged;
 - in_process: whether the engines run vLLM's engine core in their own process;
-- chunking: the last object-store sync's chunk counts (RolloutGroup.last_chunking);
+- chunking: the last object-store sync's chunk counts (ObjectStoreSync.last_chunking);
 - stale: the largest difference between the engines' and the policy's log-probs before the last sync is loaded;
 - synced: the same after it (it must be small where `stale` is not).
 """
@@ -39,13 +39,13 @@ def main(argv: list[str]) -> dict:
         history = trainer.run()
         policy = trainer.policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
         stale = max_diff(trainer.rollout.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), policy)
-        trainer._apply_pending_weights()  # the last step's export, which no generation has loaded yet
+        trainer.sync.make_current()  # the last step's export, which no generation has loaded yet
         synced = max_diff(trainer.rollout.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), policy)
         in_process = ray.get(trainer.rollout.actors[0].engine_core_in_process.remote(), timeout=60)
         return {
             "steps": [h["step"] for h in history],
             "in_process": in_process,
-            "chunking": trainer.rollout.last_chunking,
+            "chunking": trainer.sync.last_chunking,
             "stale": stale,
             "synced": synced,
         }

@@ -79,7 +79,7 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
         before = load_file(str(Path(model_path) / "model.safetensors"))
         after = trainer.policy.export_weights()
         assert any(not torch.equal(before[k], after[k]) for k in before)
-        trainer._apply_pending_weights()
+        trainer.sync.make_current()
         prompt_ids = [[1, 5, 6, 7, 8]]
         response_ids = [[20, 30, 40, 50, 60, 70]]
         vllm_lp = trainer.rollout.sequence_log_probs(prompt_ids, response_ids)[0]

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from entropy_openrlhf.samples import PromptItem
+from entropy_openrlhf.sync.collective import CollectiveSync
+from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +63,7 @@ class Weights:
 
         self.method, self.group, self.policy = method, group, None
         self.original = load_file(f"{tiny_model}/model.safetensors")
+        self.weight_sync = ObjectStoreSync(group, timeout_s=120)
         if method == "collective":
             from entropy_openrlhf.actors.policy import PolicyGroup
             from entropy_openrlhf.config import from_args
@@ -68,16 +71,17 @@ class Weights:
             cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"],
                             {"loss.type": "ppo", "async_.is_correction": "off"})  # fmt: skip
             self.policy = PolicyGroup(cfg, tiny_model)
-            group.init_collective(self.policy, timeout_s=120)
+            self.weight_sync = CollectiveSync(group, self.policy, timeout_s=120)
+            self.weight_sync.setup()
 
     def sync(self, version: int) -> None:
         if self.method == "object_store":
-            self.group.update_weights(perturbed(self.original, version), version=version, timeout_s=120)
+            self.weight_sync.update_weights(perturbed(self.original, version), version)
         else:
             from tests.integration.test_policy import fixed_batch
 
             self.policy.train_step(fixed_batch(seed=version), version)
-            self.group.update_weights_collective(self.policy, version, timeout_s=120)
+            self.weight_sync.update_weights(version)
 
     def close(self) -> None:
         if self.policy is not None:
@@ -166,7 +170,7 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         if weights.policy is not None:  # and they hold the policy's weights
             policy_lp = weights.policy.forward_log_probs(*ids)
             assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
-            assert group.collective_rebuilds == 4  # one per restart
+            assert weights.weight_sync.rebuilds == 4  # one per restart
         assert group.restarts == early + 3
     finally:
         if weights is not None:
@@ -202,7 +206,7 @@ def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generate
         assert [s.policy_version for s in got] == [1] * len(got)
         weights.sync(2)  # the next sync reaches the new engine (collective: through the rebuilt group)
         assert group.generate(prompts, policy_version=2, **sampling)
-        assert group.collective_rebuilds == (1 if method == "collective" else 0)
+        assert getattr(weights.weight_sync, "rebuilds", 0) == (1 if method == "collective" else 0)
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
@@ -280,7 +284,7 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
             seen |= set(prompts)
             assert all(step - 1 <= s.policy_version <= step for s in samples)
         # the restarted engine holds the trainer's newest weights, not the initial ones it loaded from disk
-        trainer._apply_pending_weights()
+        trainer.sync.make_current()
         assert ray.get(trainer.rollout.actors[0].get_version.remote()) == trainer.rollout.version == 4
         prompt_ids, response_ids = [[1, 5, 6, 7, 8]], [[20, 30, 40, 50, 60, 70]]
         engine_lp = trainer.rollout.sequence_log_probs(prompt_ids, response_ids)[0]

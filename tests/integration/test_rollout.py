@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from entropy_openrlhf.samples import PromptItem
+from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +137,7 @@ def test_update_weights_matches_transformers(group, tiny_model):
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     new_state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    seconds = group.update_weights(new_state, version=1, timeout_s=60)
+    seconds = ObjectStoreSync(group, timeout_s=60).update_weights(new_state, 1)
     assert 0 < seconds < 60
 
     after = group.sequence_log_probs(prompt_ids, response_ids)
@@ -149,7 +150,7 @@ def test_update_weights_matches_transformers(group, tiny_model):
         assert max_diff(s.rollout_log_probs, hf_log_probs(model, s.prompt_token_ids, s.response_token_ids)) < 1e-3
 
     # back to the checkpoint's weights: the engines give the original log-probs again
-    group.update_weights(original, version=2, timeout_s=60)
+    ObjectStoreSync(group, timeout_s=60).update_weights(original, 2)
     for got, old in zip(group.sequence_log_probs(prompt_ids, response_ids), before):
         assert max_diff(got, old) < 1e-5
 
@@ -165,7 +166,7 @@ BUSY_SYNC_TIMEOUT_S = 8.0
 def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     import ray
 
-    from entropy_openrlhf.actors.rollout import WeightSyncTimeoutError
+    from entropy_openrlhf.sync.base import WeightSyncTimeoutError
 
     @ray.remote(num_cpus=0)
     class StalledEngine:
@@ -182,7 +183,7 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     try:
         t0 = time.monotonic()
         with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[2\] of 3"):
-            group.update_weights(state, version=5, timeout_s=STALLED_SYNC_TIMEOUT_S)
+            ObjectStoreSync(group, timeout_s=STALLED_SYNC_TIMEOUT_S).update_weights(state, 5)
         elapsed = time.monotonic() - t0
         # it waited out its deadline (not less), and returned although the stalled engine sleeps for an hour; the
         # upper bound only allows for putting the weights in the object store on a loaded machine
@@ -191,7 +192,7 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
         group.actors.remove(stalled)
         ray.kill(stalled)
     # the real engines are fine and answer again
-    assert group.update_weights(state, version=6, timeout_s=120) > 0
+    assert ObjectStoreSync(group, timeout_s=120).update_weights(state, 6) > 0
 
     # A real engine busy on long generations: the update queues behind them, and the sync times out naming that
     # engine while they still run. How long a generation takes depends on the machine and its load, so one is timed
@@ -205,7 +206,7 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     busy = [group.actors[0].generate.remote([prompt], seed=seed, **sampling) for seed in range(count)]
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2"):
-        group.update_weights(state, version=7, timeout_s=BUSY_SYNC_TIMEOUT_S)
+        ObjectStoreSync(group, timeout_s=BUSY_SYNC_TIMEOUT_S).update_weights(state, 7)
     elapsed = time.monotonic() - t0
     # it gave up at its deadline rather than waiting behind the generations, which are still running
     still_running = not ray.wait(busy[-1:], timeout=0)[0]

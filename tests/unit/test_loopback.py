@@ -1,5 +1,5 @@
 """What decides whether a local run is reachable from other machines: the store that hosts the ranks' rendezvous
-(actors/store.py) and the check that stops a local Ray whose processes listen beyond loopback (cluster.py)."""
+(rendezvous.py) and the check that stops a local Ray whose processes listen beyond loopback (cluster.py)."""
 
 import socket
 from collections import namedtuple
@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from entropy_openrlhf import cluster
-from entropy_openrlhf.actors.store import connect_store, serve_store
+from entropy_openrlhf.rendezvous import connect_store, serve_store
 
 Addr = namedtuple("Addr", "ip port")
 Conn = namedtuple("Conn", "fd family type laddr raddr status pid")

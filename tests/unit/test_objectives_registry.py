@@ -20,6 +20,7 @@ from entropy_openrlhf.algorithms.objectives import (
     get_objective,
     objective_needs_entropy,
     select_tokens,
+    within_chain,
 )
 from entropy_openrlhf.config import ConfigError, build_parser, from_args, validate
 
@@ -122,3 +123,19 @@ print(float(out.loss), lp.grad.tolist())
     # -0.5 * 2 * (-1 - 2) / 2 tokens = 1.5; d/dlp = -0.5 * 2 / 2 on the valid tokens, 0 on padding
     assert float(loss) == pytest.approx(1.5)
     assert [abs(g) for g in json.loads(grad)[0]] == [0.5, 0.5, 0.0] and json.loads(grad)[0][0] < 0
+
+
+def test_within_is_one_rule_for_the_config_and_the_openrlhf_adapter():
+    from entropy_openrlhf.integrations.openrlhf import build_settings
+
+    # a chain through two selectors runs (select_tokens recurses); a loop or a non-selector is refused by both
+    cfg = from_args(["--loss.kl_cov.within", "clip_cov", "--loss.clip_cov.within", "high_entropy"])
+    validate(cfg)
+    assert within_chain("kl_cov", cfg.loss) == ["kl_cov", "clip_cov", "high_entropy"]
+    looped = ["--loss.kl_cov.within", "clip_cov", "--loss.clip_cov.within", "kl_cov"]
+    with pytest.raises(ConfigError, match="--loss.kl_cov.within: 'kl_cov': must name another selecting objective"):
+        validate(from_args(looped))
+    with pytest.raises(ValueError, match="--objective.within 'kl_cov': must name another selecting objective"):
+        build_settings("kl_cov", {"within": "clip_cov"}, {"clip_cov": {"within": "kl_cov"}})
+    _, loss_cfg = build_settings("kl_cov", {"within": "clip_cov"}, {"clip_cov": {"within": "high_entropy"}})
+    assert within_chain("kl_cov", loss_cfg) == ["kl_cov", "clip_cov", "high_entropy"]

@@ -112,8 +112,8 @@ class WatchStub:
 def test_node_lost_verdict_is_awaited_only_after_a_call_to_an_unreachable_actor():
     import ray.exceptions
 
-    from entropy_openrlhf.actors.rollout import WeightSyncTimeoutError
     from entropy_openrlhf.cluster import NODE_VERDICT_S
+    from entropy_openrlhf.sync.base import WeightSyncTimeoutError
 
     trainer = Trainer(Config(), "unused", [], [])
     b = LostNode("b" * 56, "198.18.0.2", {"policy": [0, 1]})

@@ -1,13 +1,12 @@
-"""The object-store sync's chunking (weight_chunks.py): grouping, splitting, bounds and exact reassembly."""
+"""The object-store sync's chunking (sync/chunks.py): grouping, splitting, bounds and exact reassembly."""
 
 import pickle
 
 import pytest
 import torch
 
-from entropy_openrlhf.actors.weight_chunks import (
+from entropy_openrlhf.sync.chunks import (
     ChunkAssembler,
-    ExportedWeights,
     IncompleteWeightsError,
     Piece,
     chunk_bytes,
@@ -144,11 +143,6 @@ def test_pieces_of_another_shape_or_dtype_are_refused():
         assembler.add([Piece("w", (10,), "bfloat16", 5, torch.zeros(5, dtype=torch.bfloat16))])
     with pytest.raises(IncompleteWeightsError, match=r"outside the tensor's \[0, 10\)"):
         assembler.add([Piece("w", (10,), "float32", 8, torch.zeros(5))])
-
-
-def test_exported_weights_is_the_state_dict_with_its_chunk_size():
-    exported = ExportedWeights({"a": torch.ones(2)}, max_chunk_mb=0.5)
-    assert dict(exported).keys() == {"a"} and exported.max_chunk_mb == 0.5
 
 
 def test_bad_bound():

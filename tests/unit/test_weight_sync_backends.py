@@ -1,4 +1,4 @@
-"""The weight sync's choices that a CPU machine can check: method, backend, the device check, and what the NCCL branch
+"""The weight sync's choices that a CPU machine can check: backend, the device check, and what the NCCL branch
 of `WeightSyncGroup` builds and calls (vLLM's StatelessProcessGroup and PyNcclCommunicator, faked here: they need
 CUDA). The gloo branch is the real thing, on one rank."""
 
@@ -8,22 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from entropy_openrlhf.actors import weight_sync
-from entropy_openrlhf.actors.weight_sync import (
+from entropy_openrlhf.sync import group as weight_sync
+from entropy_openrlhf.sync.group import (
     HANDSHAKE,
     WeightSyncError,
     WeightSyncGroup,
     check_devices,
     choose_backend,
-    resolve_method,
 )
-
-
-def test_auto_is_the_collective_sync_on_any_hardware():
-    assert resolve_method("auto", on_gpus=True) == resolve_method("auto", on_gpus=False) == "collective"
-    assert resolve_method("object_store", on_gpus=True) == "object_store"
-    with pytest.raises(ValueError, match="--sync.method: 'nccl'"):
-        resolve_method("nccl", on_gpus=True)
 
 
 def test_nccl_only_when_every_member_has_cuda():

@@ -25,6 +25,7 @@ from entropy_openrlhf.algorithms.objectives.base import (
     run_objective,
     select_tokens,
     unknown_objective,
+    within_chain,
 )
 
 # Registration happens on import; sorted so that the registry (and --help) lists them in a stable order.
@@ -44,4 +45,5 @@ __all__ = [
     "run_objective",
     "select_tokens",
     "unknown_objective",
+    "within_chain",
 ]

@@ -155,6 +155,21 @@ def within_of(params: Any) -> str:
     return getattr(params, "within", "") or ""
 
 
+def within_chain(name: str, loss_cfg: Any) -> list[str]:
+    """`name` and the objectives its `within` setting leads to, in order. Raises ValueError, its message starting
+    with the bad value, unless each names another objective that selects tokens and the chain has no loop. The
+    config and the OpenRLHF adapter both check `within` here, each prefixing its own flag."""
+    chain = [name]
+    within = within_of(getattr(loss_cfg, name))
+    while within:
+        if within not in OBJECTIVES or OBJECTIVES[within].select is None or within in chain:
+            selectors = [k for k, o in OBJECTIVES.items() if o.select is not None and k != name]
+            raise ValueError(f"{within!r}: must name another selecting objective: {', '.join(selectors)}")
+        chain.append(within)
+        within = within_of(getattr(loss_cfg, within))
+    return chain
+
+
 def objective_needs_entropy(name: str, loss_cfg: Any) -> bool:
     """Whether running `name` (with what its `within` points to) needs the token entropy."""
     obj = get_objective(name)

@@ -1,4 +1,5 @@
-"""Collective weight sync: the policy's rank 0 broadcasts every weight to the vLLM workers of all rollout engines.
+"""The ranks' ends of the collective weight sync (collective.py drives them): the policy's rank 0 broadcasts every
+weight to the vLLM workers of all rollout engines.
 
 The group. Rank 0 is the policy's rank 0; rank 1 + i * tp + w is vLLM worker w of engine i (tp = tensor parallel
 size). Every worker of an engine is a rank and receives the full tensors; vLLM's reload path then keeps its own
@@ -39,9 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from entropy_openrlhf.actors.store import connect_store, serve_store
+from entropy_openrlhf.rendezvous import connect_store, serve_store
 
-SYNC_METHODS = ("auto", "object_store", "collective")
 STORE_PREFIX = "entropy_openrlhf/weight_sync"
 HANDSHAKE = 271_828.0  # first broadcast (exact in fp32): every rank joined the same group; starts NCCL
 
@@ -51,22 +51,6 @@ WeightMeta = tuple[str, str, tuple[int, ...]]
 
 class WeightSyncError(RuntimeError):
     """The collective group is missing, broken, or the two sides disagree about it."""
-
-
-def resolve_method(method: str, *, on_gpus: bool) -> str:
-    """`sync.method`: auto = collective, over NCCL when the policy and the engines run on CUDA, over gloo otherwise.
-
-    CPU too, by measurement (benchmarks/weight_sync.py, docs/benchmarks.md): on the 2-core CI machine a SmolLM2-135M
-    sync took 1.04 s by gloo broadcast against 4.78 s by the object store (4.6x, side by side in one run), and the
-    broadcast keeps no model-sized copy in Ray's object store (1 GB on CPU). The object store used to be the CPU
-    default only because a restarted engine could not rejoin the broadcast group; it now can (the group re-exports
-    for it and rebuilds the group). `on_gpus` no longer changes the method, only the backend (chosen per actor).
-    """
-    if method not in SYNC_METHODS:
-        raise ValueError(f"--sync.method: {method!r} is not one of {', '.join(SYNC_METHODS)}")
-    if method == "auto":
-        return "collective"
-    return method
 
 
 def choose_backend(*, policy_on_gpu: bool, engines_on_gpu: bool) -> str:
@@ -159,7 +143,7 @@ class WeightSyncGroup:
     @classmethod
     def host_store(cls, host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
         """Rank 0's rendezvous store on a port the OS picks (no race with other processes for a free port),
-        listening on `host` only (actors/store.py)."""
+        listening on `host` only (rendezvous.py)."""
         return serve_store(host, 0, world_size, timeout_s)
 
     @classmethod
@@ -256,7 +240,7 @@ class WeightSender:
         import deepspeed  # loaded in the policy ranks that call this; the driver and the vLLM workers need none
 
         if self.rank == 0 and self.group is None:
-            raise WeightSyncError("the weight sync group is not set up: init_collective first")
+            raise WeightSyncError("the weight sync group is not set up: CollectiveSync.setup first")
         failure: BaseException | None = None
         for _, param in self.params:
             with deepspeed.zero.GatheredParameters([param], enabled=self.zero3):

@@ -28,16 +28,6 @@ MB = 2**20
 DEFAULT_MAX_CHUNK_MB = 256.0
 
 
-class ExportedWeights(dict):
-    """The policy's HF-named weights (`PolicyGroup.export_weights`), carrying the chunk size of the run
-    (`--sync.max_chunk_mb`): the policy group holds the run's config, and the trainer hands its export to
-    `RolloutGroup.update_weights` as it is, so the size travels with the weights."""
-
-    def __init__(self, state: dict[str, torch.Tensor], max_chunk_mb: float = DEFAULT_MAX_CHUNK_MB):
-        super().__init__(state)
-        self.max_chunk_mb = max_chunk_mb
-
-
 @dataclass
 class Piece:
     """One tensor (`start` None) or one part of a split tensor: elements [start, start + numel) of its flattened

