@@ -75,6 +75,7 @@ ENTROPY_KEY = "entropy/seq_mean"
 TRAIN_ACC_KEY = "reward/acc"
 EVAL_ACC_KEY = "eval/acc"
 COV_KEY = "cov/mean"
+KNOB_KEYS = ("entropy_ctl/scale", "entropy_ctl/bonus")  # what the entropy controller set, step by step
 PASS_AT_K = re.compile(r"eval/pass@(\d+)")  # the average over sources; not eval/<source>/pass@k or the _ci95 bounds
 BAND = "band"  # the seed values' name for the share of steps inside --band
 
@@ -472,6 +473,10 @@ def plot_runs(
             ax.plot(grid, slope * grid + intercept, color="k", lw=1, label=f"fit: slope {slope:.3g}")
         written.append(_save(plt, fig, ax, out_dir / f"{prefix}cov_entropy.png"))
 
+    controlled = [(i, m) for i, m in enumerate(methods) if controller_moved(m)]
+    if controlled:
+        written.append(plot_knobs(controlled, out_dir / f"{prefix}knobs.png"))
+
     for m in methods:
         fit_run(m, fit_acc)
     fitted = [(i, m) for i, m in enumerate(methods) if m.fit is not None]
@@ -489,6 +494,47 @@ def plot_runs(
             plot_fit(*m.fit_points, m.fit, path, title=f"{m.label}: {m.fit_key} vs {ENTROPY_KEY}")
             written.append(path)
     return written
+
+
+def controller_moved(m: Method) -> bool:
+    """Whether the entropy controller of some run of `m` moved a knob (scale off 1 or a bonus above 0)."""
+    for run in m.runs:
+        scale, bonus = run.series(KNOB_KEYS[0]), run.series(KNOB_KEYS[1])
+        if (scale is not None and np.any(scale[1] != 1.0)) or (bonus is not None and np.any(bonus[1] > 0)):
+            return True
+    return False
+
+
+def plot_knobs(controlled: list[tuple[int, Method]], path: Path) -> Path:
+    """The controller's two knobs over the steps, one line per run (seeds share their method's colour): the scale
+    on the objective's own knob (log axis; 1 = its base setting) and the entropy bonus's coefficient."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 5.5), sharex=True)
+    top.set_title("entropy controller: what it set at each step (one line per run)")
+    top.set_ylabel("objective knob scale")
+    top.set_yscale("log", base=2)
+    top.axhline(1.0, color="0.5", lw=0.8)
+    bottom.set_ylabel("entropy bonus coef")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    for i, m in controlled:
+        for j, run in enumerate(m.runs):
+            label = m.label if j == 0 else None
+            for ax, key in zip((top, bottom), KNOB_KEYS):
+                series = run.series(key)
+                if series is not None:
+                    ax.plot(*series, color=f"C{i}", lw=1.2, alpha=0.8, label=label)
+    if top.get_legend_handles_labels()[0]:
+        top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def fit_table(methods: list[Method]) -> str:

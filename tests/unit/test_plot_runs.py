@@ -533,3 +533,25 @@ def test_one_seed_pair_has_no_interval(tmp_path, capsys):
     assert float(difference) == pytest.approx(last10[0] - last10[1], abs=6e-4)  # seed 1 against seed 1 only
     assert (interval, pairs, verdict) == ("n/a", "1", "one seed pair: no interval")
     assert markdown_rows(out, "| method | seeds |")["kl_cov"][:3] == ["1", "25", f"{last10[0]:.3f}"]
+
+
+def test_knob_trajectories_are_drawn_only_for_runs_whose_controller_moved(tmp_path, capsys):
+    written = write_study(tmp_path / "runs", {"grpo": 0.02, "kl_cov_band": 0.0}, seeds=(1, 2))
+    # the trainer logs the controller's knobs every step; switched off they stay at scale 1 and bonus 0
+    for method, moved in (("grpo", False), ("kl_cov_band", True)):
+        for seed, records in written[method].items():
+            for rec in records:
+                rec["entropy_ctl/scale"] = 1.0 + (0.1 * rec["step"] if moved else 0.0)
+                rec["entropy_ctl/bonus"] = 0.001 * seed if moved else 0.0
+            path = tmp_path / "runs" / f"{method}_seed{seed}" / "metrics.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot = load_module()
+    methods = plot.group_methods([plot.parse_run(spec) for spec in study_specs(tmp_path / "runs", written)])
+    assert [plot.controller_moved(m) for m in methods] == [False, True]
+    code, _, _ = run_main(capsys, *study_specs(tmp_path / "runs", written), "--out", tmp_path / "plots")
+    assert code == 0
+    assert_png(tmp_path / "plots" / "knobs.png")
+    # without a controller that moved, no knob figure
+    only_grpo = [s for s in study_specs(tmp_path / "runs", written) if s.startswith("grpo=")]
+    code, _, _ = run_main(capsys, *only_grpo, "--out", tmp_path / "plots_grpo")
+    assert code == 0 and not (tmp_path / "plots_grpo" / "knobs.png").exists()
