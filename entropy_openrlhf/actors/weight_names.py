@@ -45,6 +45,7 @@ def checkpoint_weight_names(model_path: str) -> set[str] | None:
 def exported_weight_names(model_path: str) -> list[str]:
     """The names PolicyActor.export_weights gives: `named_parameters()` of the model `AutoModelForCausalLM` builds
     from `model_path`'s config (tied weights once, under the name that owns them), in module order."""
+    # in the engine's process only: the driver imports this module through engine.py and needs neither
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
