@@ -91,7 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # of 4 x ~30 response tokens, 4 % of tokens have a covariance inside the paper's (1, 5), carrying over half of
     # the positive covariance, but the paper's 2e-4 of ~128 tokens is the one-token floor: it detaches ~1 of the
     # ~14 candidates of a micro-batch. 0.05 detaches about 6, half of them. The bounds stay the paper's.
-    "clip-cov-small": {"loss.clip_cov.ratio": 0.05},
+    "clip-cov-small": {"loss.clip_cov.ratio": 0.05, "loss.clip_cov.bounds_unit": "std"},
     # A tiny random model made on the spot, 2 steps: the whole path (vLLM, verifier, DeepSpeed, sync, W&B) in minutes.
     # CI runs it on CPU: no GPU is reserved and the batch stays small.
     "smoke": {

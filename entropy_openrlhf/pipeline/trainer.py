@@ -130,10 +130,15 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
     )
     if name == "clip_cov":
         in_bounds = metrics.get("loss/clip_cov_in_bounds", 0.0)
+        unit = (
+            ""
+            if params.bounds_unit == "abs"
+            else f" x the covariance std (lower bound ~{metrics.get('loss/clip_cov_lb', 0.0):.3g})"
+        )
         text += (
-            f" against bounds ({params.lb:g}, {params.ub:g}), {in_bounds:.1%} of tokens inside them). Raise "
-            "--loss.clip_cov.ratio (--preset clip-cov-small: 0.05, about half of the candidates at 4 x 30-token "
-            "micro-batches)"
+            f" against bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). Use "
+            "--preset clip-cov-small (ratio 0.05, about half of the candidates at 4 x 30-token micro-batches, and "
+            "bounds in units of the covariance std, which follow covariances that shrink as training goes on)"
         )
     else:
         text += f"). Raise --loss.{name}.ratio to at least 1/{tokens:.0f}"

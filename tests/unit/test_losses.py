@@ -403,3 +403,30 @@ def test_selection_quota_and_starvation_metrics_by_hand():
     # KL-Cov always fills its quota: starved exactly when the quota is the floor
     assert kl_cov_loss(lp, old, adv, mask, ratio=1 / n).metrics["select_starved"] == 0.0
     assert kl_cov_loss(lp, old, adv, mask, ratio=0.99 / n).metrics["select_starved"] == 1.0
+
+
+def test_clip_cov_bounds_in_std_units_by_hand_and_scale_free():
+    lp, old, adv, mask = batch(seed=11, B=8, L=12)
+    lists = as_lists(lp, old, adv, mask)
+    cov = ref_cov(lists[0], lists[2], lists[3])
+    mean = sum(cov.values()) / len(cov)
+    std = math.sqrt(sum((c - mean) ** 2 for c in cov.values()) / len(cov))  # population std over valid tokens
+    lb, ub = 0.5, 3.0
+    candidates = ref_clip_cov_candidates(*lists, lb * std, ub * std, 1.0, 1.0)
+    assert 0 < len(candidates) < len(cov)  # the band holds some tokens, not all: the check below can fail
+    n = len(cov)
+    # a quota above the candidate count selects every candidate: the selected set is the band, exactly
+    out = clip_cov_loss(lp, old, adv, mask, ratio=1.0, cov_lb=lb, cov_ub=ub, bounds_unit="std")
+    chosen = {tuple(ix) for ix in out.selected.nonzero().tolist()}
+    assert chosen == candidates
+    assert out.metrics["clip_cov_lb"] == pytest.approx(lb * std, rel=1e-5)
+    in_band = sum(lb * std < c < ub * std for c in cov.values())
+    assert out.metrics["clip_cov_in_bounds"] == pytest.approx(in_band / n)
+    # advantages 100x larger: covariances 100x larger. In std units the same tokens are chosen; the paper's
+    # absolute bounds pick another set (here: the scaled covariances leave its band)
+    abs_small = clip_cov_select(lp, old, adv, mask, ratio=1.0, cov_lb=lb, cov_ub=ub)
+    scaled = clip_cov_select(lp, old, adv * 100, mask, ratio=1.0, cov_lb=lb, cov_ub=ub, bounds_unit="std")
+    abs_scaled = clip_cov_select(lp, old, adv * 100, mask, ratio=1.0, cov_lb=lb, cov_ub=ub)
+    assert torch.equal(scaled, out.selected) and not torch.equal(abs_scaled, abs_small)
+    with pytest.raises(ValueError, match="clip_cov bounds unit 'sigma': one of abs, std"):
+        clip_cov_select(lp, old, adv, mask, ratio=1.0, bounds_unit="sigma")

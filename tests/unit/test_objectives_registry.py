@@ -45,6 +45,8 @@ def test_bad_objective_settings_name_their_flag():
         validate(from_args(["--loss.type", "clip_higher"]))
     with pytest.raises(ConfigError, match="--loss.high_entropy.top_frac: 1.5 must be in"):
         validate(from_args(["--loss.type", "high_entropy", "--loss.high_entropy.top_frac", "1.5"]))
+    with pytest.raises(ConfigError, match="--loss.clip_cov.bounds_unit: 'sigma': abs | std"):
+        validate(from_args(["--loss.clip_cov.bounds_unit", "sigma"]))
     with pytest.raises(ConfigError, match="--loss.kl_cov.within: 'gspo'"):
         validate(from_args(["--loss.kl_cov.within", "gspo"]))
     # an objective with no knob is held by the entropy bonus alone, so it needs room for one

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from entropy_openrlhf.algorithms.loss_terms import LossOutput
+from entropy_openrlhf.options import choice_errors
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,12 @@ def register_objective(
     def wrap(loss: LossFn) -> LossFn:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is registered twice")
-        checks = {k: v for k, v in (("validate", validate), ("notes", notes)) if v is not None}
+        own = validate or (lambda params, cfg: [])
+
+        def checked(params: Any, cfg: Any) -> list[str]:  # the choices its options declare, then its own rules
+            return choice_errors(params, f"loss.{name}") + own(params, cfg)
+
+        checks = {"validate": checked, **({"notes": notes} if notes is not None else {})}
         OBJECTIVES[name] = Objective(name, config, loss, select, needs_entropy, knobs, summary, **checks)
         return loss
 

@@ -25,6 +25,22 @@ from entropy_openrlhf.algorithms.loss_terms import (
 from entropy_openrlhf.algorithms.objectives.base import Knob, LossContext, TokenBatch, register_objective
 from entropy_openrlhf.options import option
 
+BOUNDS_UNITS = ("abs", "std")
+
+
+def covariance_bounds(cov: torch.Tensor, valid: torch.Tensor, lb: float, ub: float, unit: str) -> tuple[float, float]:
+    """The candidates' open interval (lo, hi) of token covariance. "abs": (lb, ub) as given, the paper's numbers,
+    set on 7B runs. "std": lb and ub in units of the standard deviation of the covariances of the valid tokens here
+    (the micro-batch, or the pooled mini-batch under --loss.scope global), so that the band follows covariances
+    that shrink as a small model trains (docs/losses.md, 'At small scale')."""
+    if unit == "abs":
+        return lb, ub
+    if unit != "std":
+        raise ValueError(f"clip_cov bounds unit {unit!r}: one of {', '.join(BOUNDS_UNITS)}")
+    values = cov[valid.bool()]
+    scale = float(values.std(unbiased=False)) if values.numel() > 1 else 0.0
+    return lb * scale, ub * scale
+
 
 def clip_cov_select(
     log_probs: torch.Tensor,
@@ -35,14 +51,16 @@ def clip_cov_select(
     ratio: float = 2e-4,
     cov_lb: float = 1.0,
     cov_ub: float = 5.0,
+    bounds_unit: str = "abs",
     clip_low: float = 1.0,
     clip_high: float = 1.0,
     generator: torch.Generator | None = None,
     cov_means: tuple[float, float] | None = None,
     candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Clip-Cov's choice: max(1, floor(ratio*N)) tokens drawn uniformly from those with cov_lb < c < cov_ub that
-    PPO's clip has not already clipped. Works on any shape; returns a bool mask of the same shape.
+    """Clip-Cov's choice: max(1, floor(ratio*N)) tokens drawn uniformly from those with lo < c < hi that PPO's clip
+    has not already clipped, (lo, hi) = `covariance_bounds(cov_lb, cov_ub, bounds_unit)`. Works on any shape;
+    returns a bool mask of the same shape.
 
     `candidates` restricts the choice to these tokens (e.g. the high-entropy ones); the quota and the covariance
     centring still count every valid token, so the restriction changes which tokens are picked, not how many.
@@ -53,7 +71,8 @@ def clip_cov_select(
     _, unclipped, clipped = ppo_terms(adv, log_ratio, clip_low, clip_high)
     ppo_clipped = (clipped > unclipped) & valid
     cov = token_covariance(log_probs, advantages, mask, cov_means)
-    pool = valid & ~ppo_clipped & (cov > cov_lb) & (cov < cov_ub)
+    lo, hi = covariance_bounds(cov, valid, cov_lb, cov_ub, bounds_unit)
+    pool = valid & ~ppo_clipped & (cov > lo) & (cov < hi)
     if candidates is not None:
         pool = pool & candidates.bool()
     selected = torch.zeros_like(valid)
@@ -75,6 +94,7 @@ def clip_cov_loss(
     ratio: float = 2e-4,
     cov_lb: float = 1.0,
     cov_ub: float = 5.0,
+    bounds_unit: str = "abs",
     clip_low: float = 1.0,
     clip_high: float = 1.0,
     generator: torch.Generator | None = None,
@@ -94,7 +114,7 @@ def clip_cov_loss(
     if selected is None:
         selected = clip_cov_select(
             log_probs, old_log_probs, advantages, mask, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
-            clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=cov_means,
+            bounds_unit=bounds_unit, clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=cov_means,
         )  # fmt: skip
     selected = selected.bool() & valid
     ratio_t, unclipped, clipped = ppo_terms(adv, log_ratio, clip_low, clip_high)
@@ -103,10 +123,12 @@ def clip_cov_loss(
     token_loss = torch.where(valid, token_loss, 0.0)
     n = max(int(valid.sum()), 1)
     cov = token_covariance(lp, adv, valid, cov_means)
-    in_bounds = valid & (cov > cov_lb) & (cov < cov_ub)  # the candidates before PPO's clip takes its own
+    lo, hi = covariance_bounds(cov, valid, cov_lb, cov_ub, bounds_unit)
+    in_bounds = valid & (cov > lo) & (cov < hi)  # the candidates before PPO's clip takes its own
     metrics = {
         "clip_cov_frac": float(selected.sum()) / n,
         "clip_cov_in_bounds": float(in_bounds.sum()) / n,
+        "clip_cov_lb": lo,  # in covariance units, whatever --loss.clip_cov.bounds_unit
         "ppo_kl": masked_mean((old - lp).detach(), valid),
         **clip_fracs(adv, ratio_t.detach(), valid, clip_low, clip_high),
         **cov_metrics(cov, valid, selected),
@@ -123,6 +145,11 @@ class ClipCovConfig:
     ratio: float = option(2e-4, "fraction of valid tokens whose gradient is stopped (paper: 2e-4)")
     lb: float = option(1.0, "lower covariance bound of the candidates (paper: 1)")
     ub: float = option(5.0, "upper covariance bound of the candidates (paper: 5)")
+    bounds_unit: str = option(
+        "abs", "{choices}: lb and ub as covariances (abs, the paper's) or as multiples of the standard deviation "
+        "of the token covariances of each selection (std: follows covariances that shrink as a small model trains; "
+        "--preset clip-cov-small)", choices=BOUNDS_UNITS,
+    )  # fmt: skip
     within: str = option(
         "", "choose only among the tokens another selector picks: '' (all) | high_entropy (the top "
         "--loss.high_entropy.top_frac by entropy); the quota still counts every valid token",
@@ -132,8 +159,8 @@ class ClipCovConfig:
 def select(batch: TokenBatch, params: ClipCovConfig, ctx: LossContext, candidates: torch.Tensor | None):
     return clip_cov_select(
         batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, ratio=params.ratio, cov_lb=params.lb,
-        cov_ub=params.ub, clip_low=ctx.clip_low, clip_high=ctx.clip_high, generator=ctx.generator,
-        cov_means=ctx.cov_means, candidates=candidates,
+        cov_ub=params.ub, bounds_unit=params.bounds_unit, clip_low=ctx.clip_low, clip_high=ctx.clip_high,
+        generator=ctx.generator, cov_means=ctx.cov_means, candidates=candidates,
     )  # fmt: skip
 
 
@@ -159,7 +186,7 @@ def notes(params: ClipCovConfig, cfg) -> list[str]:
 def clip_cov(batch: TokenBatch, params: ClipCovConfig, ctx: LossContext) -> LossOutput:
     return clip_cov_loss(
         batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, ratio=params.ratio, cov_lb=params.lb,
-        cov_ub=params.ub, clip_low=ctx.clip_low, clip_high=ctx.clip_high, generator=ctx.generator,
-        selected=ctx.selected, cov_means=ctx.cov_means, agg=ctx.agg, normalizer=ctx.normalizer, dp_size=ctx.dp_size,
-        is_weights=batch.is_weights,
+        cov_ub=params.ub, bounds_unit=params.bounds_unit, clip_low=ctx.clip_low, clip_high=ctx.clip_high,
+        generator=ctx.generator, selected=ctx.selected, cov_means=ctx.cov_means, agg=ctx.agg,
+        normalizer=ctx.normalizer, dp_size=ctx.dp_size, is_weights=batch.is_weights,
     )  # fmt: skip
