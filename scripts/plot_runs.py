@@ -566,6 +566,45 @@ def share_in_band(run: Run, band: tuple[float, float], last: int | None = None, 
     return float(np.mean((tail >= band[0]) & (tail <= band[1]))) if tail.size else None
 
 
+def band_ceiling(run: Run, band: tuple[float, float], from_step: float = 0) -> tuple[float, float] | None:
+    """How well any controller could score on this run's batches: (sigma, share). sigma estimates the noise of one
+    step's entropy reading as the standard deviation of the step-to-step changes over sqrt(2) (each change holds
+    two readings' noise; real drift between steps makes it an upper bound); share is the chance that a reading
+    lands inside the band when the true entropy sits at the band's centre, with normal noise of that sigma. None
+    with fewer than 3 readings from `from_step` on."""
+    s = run.series(ENTROPY_KEY)
+    if s is None:
+        return None
+    values = s[1][s[0] >= from_step]
+    if values.size < 3:
+        return None
+    sigma = float(np.std(np.diff(values), ddof=1) / math.sqrt(2))
+    half = (band[1] - band[0]) / 2
+    share = math.erf(half / (sigma * math.sqrt(2))) if sigma > 0 else 1.0
+    return sigma, share
+
+
+def ceiling_table(methods: list[Method], band: tuple[float, float], from_step: float) -> str:
+    """Per method (mean over its runs): the noise of one step's entropy reading and the best share in the band that
+    noise allows, beside the share measured, in markdown."""
+    lines = [
+        f"entropy reading noise and the band [{band[0]:g}, {band[1]:g}] (steps from {from_step:g} on; band_ceiling)",
+        "| method | run count | noise sigma | best share possible | share measured |",
+        "|---|---|---|---|---|",
+    ]
+    for m in methods:
+        found = [
+            (c, share_in_band(r, band, from_step=from_step)) for r in m.runs if (c := band_ceiling(r, band, from_step))
+        ]
+        if not found:
+            continue
+        sigma = float(np.mean([c[0] for c, _ in found]))
+        best = float(np.mean([c[1] for c, _ in found]))
+        measured = float(np.mean([v for _, v in found if v is not None]))
+        lines.append(f"| {m.label} | {len(found)} | {sigma:.3f} | {best:.0%} | {measured:.0%} |")
+    return "\n".join(lines)
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -781,6 +820,9 @@ def main(argv: list[str] | None = None) -> int:
             print(paired)
     else:
         print(results_table(methods, args.baseline, args.last, band))
+    if band is not None:
+        print()
+        print(ceiling_table(methods, band, args.band_from))
     curves = pass_at_k_curves(methods)
     if curves:
         print()

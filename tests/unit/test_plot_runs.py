@@ -555,3 +555,22 @@ def test_knob_trajectories_are_drawn_only_for_runs_whose_controller_moved(tmp_pa
     only_grpo = [s for s in study_specs(tmp_path / "runs", written) if s.startswith("grpo=")]
     code, _, _ = run_main(capsys, *only_grpo, "--out", tmp_path / "plots_grpo")
     assert code == 0 and not (tmp_path / "plots_grpo" / "knobs.png").exists()
+
+
+def test_band_ceiling_recovers_the_noise_of_a_synthetic_reading(tmp_path):
+    plot = load_module()
+    rng = np.random.default_rng(0)
+    sigma, n = 0.2, 4000
+    readings = 0.65 + rng.normal(0, sigma, n)  # true entropy at the band's centre, white noise on each reading
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "entropy/seq_mean": float(h)}) + "\n"
+                                                  for i, h in enumerate(readings)))  # fmt: skip
+    got_sigma, best = plot.band_ceiling(plot.Run(folder), (0.5, 0.8))
+    assert got_sigma == pytest.approx(sigma, rel=0.05)
+    # the share of readings inside the band is what the normal model predicts from that sigma
+    measured = float(np.mean((readings >= 0.5) & (readings <= 0.8)))
+    assert best == pytest.approx(measured, abs=0.03) and best == pytest.approx(
+        math.erf(0.15 / (sigma * 2**0.5)), abs=0.02
+    )
+    assert plot.band_ceiling(plot.Run(folder), (0.5, 0.8), from_step=n - 2) is None  # too few readings
