@@ -180,10 +180,12 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     state = load_file(f"{tiny_model}/model.safetensors")
     stalled = StalledEngine.remote()
     group.actors.append(stalled)
+    # one sync for the group, as in a run: it keeps the last version it loaded for engines that come back
+    sync = ObjectStoreSync(group, timeout_s=STALLED_SYNC_TIMEOUT_S)
     try:
         t0 = time.monotonic()
         with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[2\] of 3"):
-            ObjectStoreSync(group, timeout_s=STALLED_SYNC_TIMEOUT_S).update_weights(state, 5)
+            sync.update_weights(state, 5)
         elapsed = time.monotonic() - t0
         # it waited out its deadline (not less), and returned although the stalled engine sleeps for an hour; the
         # upper bound only allows for putting the weights in the object store on a loaded machine
@@ -192,7 +194,8 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
         group.actors.remove(stalled)
         ray.kill(stalled)
     # the real engines are fine and answer again
-    assert ObjectStoreSync(group, timeout_s=120).update_weights(state, 6) > 0
+    sync.timeout_s = 120
+    assert sync.update_weights(state, 6) > 0
 
     # A real engine busy on long generations: the update queues behind them, and the sync times out naming that
     # engine while they still run. How long a generation takes depends on the machine and its load, so one is timed
@@ -204,9 +207,10 @@ def test_stalled_sync_raises_within_timeout(group, ray_cluster, tiny_model):
     one_generation_s = time.monotonic() - t0
     count = math.ceil(3 * BUSY_SYNC_TIMEOUT_S / one_generation_s) + 1
     busy = [group.actors[0].generate.remote([prompt], seed=seed, **sampling) for seed in range(count)]
+    sync.timeout_s = BUSY_SYNC_TIMEOUT_S
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2"):
-        ObjectStoreSync(group, timeout_s=BUSY_SYNC_TIMEOUT_S).update_weights(state, 7)
+        sync.update_weights(state, 7)
     elapsed = time.monotonic() - t0
     # it gave up at its deadline rather than waiting behind the generations, which are still running
     still_running = not ray.wait(busy[-1:], timeout=0)[0]
