@@ -110,6 +110,7 @@ def global_selection(
     ratio: float,
     cov_lb: float = 1.0,
     cov_ub: float = 5.0,
+    bounds_unit: str = "abs",
     clip_low: float = 1.0,
     clip_high: float = 1.0,
     generator: torch.Generator | None = None,
@@ -122,7 +123,7 @@ def global_selection(
     two cannot drift apart; this form is for callers of the plain loss functions (their `selected=` and
     `cov_means=`), and the reference the trainer's update is tested against."""
     if method == "clip_cov":
-        params: Any = ClipCovConfig(ratio=ratio, lb=cov_lb, ub=cov_ub)
+        params: Any = ClipCovConfig(ratio=ratio, lb=cov_lb, ub=cov_ub, bounds_unit=bounds_unit)
     elif method == "kl_cov":
         params = KLCovConfig(ratio=ratio)
     else:

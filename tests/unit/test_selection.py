@@ -438,3 +438,20 @@ def test_token_covariance_with_given_means_matches_reference():
         for t in range(LENGTHS[i]):
             assert c[row, t].item() == pytest.approx(cov[(i, t)], rel=1e-5, abs=1e-6)
     assert torch.isinf(c[~mb.mask.bool()]).all()
+
+
+def test_std_unit_bounds_are_taken_over_the_pooled_tokens_whatever_the_split():
+    """With --loss.clip_cov.bounds_unit std the band is lb..ub standard deviations of the covariances of every token
+    pooled across the mini-batch: the same draw for every split, and for one micro-batch the loss's own."""
+    seqs = make_seqs()
+    std_units = {"bounds_unit": "std", "cov_lb": 0.5, "cov_ub": 3.0}
+    results = [select(seqs, sizes, "clip_cov", **std_units)[0] for sizes in SPLITS]
+    assert results[0] and all(r == results[0] for r in results[1:])
+    assert results[0] != select(seqs, SPLITS[0], "clip_cov")[0]  # not the absolute band's choice
+    mb = pad(seqs, list(range(8)))
+    kw = {**CLIP_COV, **std_units}
+    masks, _ = global_selection([mb], "clip_cov", generator=torch.Generator().manual_seed(SEED), **kw)
+    own = clip_cov_loss(
+        mb.log_probs, mb.old_log_probs, mb.advantages, mb.mask, generator=torch.Generator().manual_seed(SEED), **kw
+    ).selected
+    assert torch.equal(masks[0], own)
