@@ -430,3 +430,28 @@ def test_clip_cov_bounds_in_std_units_by_hand_and_scale_free():
     assert torch.equal(scaled, out.selected) and not torch.equal(abs_scaled, abs_small)
     with pytest.raises(ValueError, match="clip_cov bounds unit 'sigma': one of abs, std"):
         clip_cov_select(lp, old, adv, mask, ratio=1.0, bounds_unit="sigma")
+
+
+def test_kl_cov_ppo_clip_ablation_is_ppo_plus_the_penalty_by_hand():
+    """--loss.kl_cov.ppo_clip: PPO's clipped surrogate on every token plus coef*|d| on the selected ones."""
+    lp, old, adv, mask = batch(seed=5, spread=0.6)  # a wide spread: some ratios leave the clip range
+    lists = as_lists(lp, old, adv, mask)
+    lo, hi, coef, ratio = 0.2, 0.28, 0.7, 0.1
+    out = kl_cov_loss(lp, old, adv, mask, ratio=ratio, coef=coef, ppo_clip=(lo, hi))
+    _, top = ref_kl_cov(*lists, ratio, coef)
+    want = 0.0
+    clipped = 0
+    for b, t in _valid_tokens(lists[3]):
+        token, was_clipped = ref_ppo_token(lists[0][b][t], lists[1][b][t], lists[2][b][t], lo, hi)
+        clipped += was_clipped
+        d = max(-20.0, min(20.0, lists[0][b][t] - lists[1][b][t]))
+        want += token + (coef * abs(d) if (b, t) in top else 0.0)
+    n = len(_valid_tokens(lists[3]))
+    assert clipped > 0  # the clip binds somewhere: the check could fail
+    assert float(out.loss) == pytest.approx(want / n, rel=1e-5)
+    assert out.metrics["ppo_clip_frac_low"] + out.metrics["ppo_clip_frac_high"] > 0
+    # coef 0: exactly PPO's loss; without the ablation: the paper's unclipped base, which differs here
+    assert float(kl_cov_loss(lp, old, adv, mask, ratio=ratio, coef=0.0, ppo_clip=(lo, hi)).loss) == pytest.approx(
+        float(ppo_loss(lp, old, adv, mask, clip_low=lo, clip_high=hi).loss), rel=1e-6
+    )
+    assert float(kl_cov_loss(lp, old, adv, mask, ratio=ratio, coef=coef).loss) != pytest.approx(want / n, rel=1e-3)

@@ -141,3 +141,20 @@ def test_within_is_one_rule_for_the_config_and_the_openrlhf_adapter():
         build_settings("kl_cov", {"within": "clip_cov"}, {"clip_cov": {"within": "kl_cov"}})
     _, loss_cfg = build_settings("kl_cov", {"within": "clip_cov"}, {"clip_cov": {"within": "high_entropy"}})
     assert within_chain("kl_cov", loss_cfg) == ["kl_cov", "clip_cov", "high_entropy"]
+
+
+def test_kl_cov_ppo_clip_flag_reaches_the_loss_with_the_run_s_clip():
+    from entropy_openrlhf.algorithms.losses import kl_cov_loss
+
+    cfg = from_args(["--loss.kl_cov.ppo_clip", "true", "--loss.kl_cov.ratio", "0.2"])
+    validate(cfg)
+    base = random_batch(seed=3)
+    noise = torch.randn(base.log_probs.shape, generator=torch.Generator().manual_seed(1))
+    batch = TokenBatch(base.log_probs, base.log_probs.detach() + 0.6 * noise, base.advantages, base.mask)  # clip binds
+    ctx = LossContext(clip_low=0.2, clip_high=0.28)
+    got = get_objective("kl_cov").loss(batch, cfg.loss.kl_cov, ctx)
+    args = (batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask)
+    want = kl_cov_loss(*args, ratio=0.2, coef=cfg.loss.kl_cov.coef, ppo_clip=(0.2, 0.28))
+    paper = kl_cov_loss(*args, ratio=0.2, coef=cfg.loss.kl_cov.coef)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    assert float(got.loss) != pytest.approx(float(paper.loss), rel=1e-4)  # the flag changed something here

@@ -13,8 +13,10 @@ from entropy_openrlhf.algorithms.loss_terms import (
     aggregate,
     check_like,
     check_ratio,
+    clip_fracs,
     cov_metrics,
     masked_mean,
+    ppo_terms,
     prepare,
     quota_metrics,
     selection_quota,
@@ -66,6 +68,7 @@ def kl_cov_loss(
     *,
     ratio: float = 2e-3,
     coef: float = 1.0,
+    ppo_clip: tuple[float, float] | None = None,
     selected: torch.Tensor | None = None,
     cov_means: tuple[float, float] | None = None,
     agg: AggMode = "token_mean",
@@ -77,13 +80,23 @@ def kl_cov_loss(
 
     On a purely on-policy update (logp == old_logp) the penalty and its gradient are zero: KL-Cov acts from the
     second optimizer step of a rollout batch on.
+
+    `ppo_clip` = (clip_low, clip_high): an ablation, not the paper's KL-Cov. The base loss becomes PPO's clipped
+    surrogate, so that a comparison with PPO/GRPO isolates the penalty from the missing clip.
     """
     check_ratio(ratio, "kl_cov ratio")
     lp, old, adv, valid, log_ratio = prepare(log_probs, old_log_probs, advantages, mask)
     if selected is None:
         selected = kl_cov_select(log_probs, advantages, mask, ratio=ratio, cov_means=cov_means)
     selected = selected.bool() & valid
-    token_loss = -adv * log_ratio.exp() + coef * log_ratio.abs() * selected.float()
+    if ppo_clip is None:
+        base = -adv * log_ratio.exp()
+        clip_metrics = {"ppo_clip_frac_low": 0.0, "ppo_clip_frac_high": 0.0}  # the paper's KL-Cov clips nothing
+    else:
+        ratio_t, unclipped, clipped = ppo_terms(adv, log_ratio, *ppo_clip)
+        base = torch.maximum(unclipped, clipped)
+        clip_metrics = clip_fracs(adv, ratio_t.detach(), valid, *ppo_clip)
+    token_loss = base + coef * log_ratio.abs() * selected.float()
     token_loss = weighted(token_loss, is_weights, valid)
     token_loss = torch.where(valid, token_loss, 0.0)
     abs_kl = log_ratio.detach().abs()
@@ -92,8 +105,7 @@ def kl_cov_loss(
         "kl_cov_frac": float(selected.sum()) / n,
         "ppo_kl": masked_mean(abs_kl, valid),  # |d|, as verl reports it for KL-Cov
         "kl_selected": masked_mean(abs_kl, selected),
-        "ppo_clip_frac_low": 0.0,  # KL-Cov applies no PPO clip
-        "ppo_clip_frac_high": 0.0,
+        **clip_metrics,
         **cov_metrics(token_covariance(lp, adv, valid, cov_means), valid, selected),
         **quota_metrics(ratio, int(valid.sum()), selected),
     }
@@ -109,6 +121,10 @@ class KLCovConfig:
         2e-3, "fraction of valid tokens with the KL penalty: 2e-3 for 7B, 2e-4 for 32B (a fraction, not %)"
     )
     coef: float = option(1.0, "beta, the penalty coefficient on |logp - old_logp| (paper: 1)")
+    ppo_clip: bool = option(
+        False, "ablation, not the paper's KL-Cov: the base loss takes PPO's clipped surrogate (--loss.clip_low/high) "
+        "instead of the unclipped -A*rho, separating the penalty's effect from the missing clip",
+    )  # fmt: skip
     within: str = option(
         "", "choose only among the tokens another selector picks: '' (all) | high_entropy (the top "
         "--loss.high_entropy.top_frac by entropy); the quota still counts every valid token",
@@ -147,6 +163,7 @@ def notes(params: KLCovConfig, cfg) -> list[str]:
 def kl_cov(batch: TokenBatch, params: KLCovConfig, ctx: LossContext) -> LossOutput:
     return kl_cov_loss(
         batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, ratio=params.ratio, coef=params.coef,
-        selected=ctx.selected, cov_means=ctx.cov_means, agg=ctx.agg, normalizer=ctx.normalizer,
-        dp_size=ctx.dp_size, is_weights=batch.is_weights,
+        ppo_clip=(ctx.clip_low, ctx.clip_high) if params.ppo_clip else None, selected=ctx.selected,
+        cov_means=ctx.cov_means, agg=ctx.agg, normalizer=ctx.normalizer, dp_size=ctx.dp_size,
+        is_weights=batch.is_weights,
     )  # fmt: skip
