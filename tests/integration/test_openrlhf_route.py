@@ -468,7 +468,7 @@ def check_probes(r: dict, ranks: int) -> None:
     assert sorted(x["rank"] for x in actors) == list(range(ranks)) and len({x["pid"] for x in actors}) == ranks
     for x in actors:
         assert x["is_adapter"] and x["objective"] == "kl_cov", x
-        assert x["params"] == {"ratio": 0.05, "coef": 0.5, "within": ""}, x
+        assert x["params"] == {"ratio": 0.05, "coef": 0.5, "ppo_clip": False, "within": ""}, x
         assert x["trainer_builds_it"] and x["training_step_wrapped"], x
         assert x["loss"] == pytest.approx(x["loss_expected"], rel=1e-6), x
     plain = r["plain"]
