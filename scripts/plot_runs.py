@@ -529,12 +529,7 @@ def plot_knobs(controlled: list[tuple[int, Method]], path: Path) -> Path:
                 series = run.series(key)
                 if series is not None:
                     ax.plot(*series, color=f"C{i}", lw=1.2, alpha=0.8, label=label)
-    if top.get_legend_handles_labels()[0]:
-        top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, top, path)  # the legend beside the top panel, as every figure's
 
 
 def fit_table(methods: list[Method]) -> str:
