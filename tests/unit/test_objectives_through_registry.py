@@ -29,12 +29,22 @@ SEED = 7
 # the objectives' own settings, each unlike its default and, for clip widths, unlike its partner
 PARAMS: dict[str, dict[str, Any]] = {
     "ppo": {},
-    "clip_cov": {"ratio": 0.2, "lb": 0.3, "ub": 1.0},
+    "clip_cov": {"ratio": 0.2, "lb": 0.5, "ub": 2.0},
     "kl_cov": {"ratio": 0.15, "coef": 0.7},
     "high_entropy": {"top_frac": 0.3},
     "cispo": {"clip_low": 0.3, "clip_high": 0.1},
     "gspo": {"clip_low": 0.02, "clip_high": 0.08},
+    # the non-default forms of an objective, each its own case: Clip-Cov's bounds in standard deviations (the
+    # clip-cov-small preset) and KL-Cov's penalty on PPO's clipped loss (the kl_cov_clip ablation)
+    # (bounds under which this batch's two units select different tokens, which the test checks)
+    "clip_cov/std": {"ratio": 0.2, "lb": 0.5, "ub": 2.0, "bounds_unit": "std"},
+    "kl_cov/ppo_clip": {"ratio": 0.15, "coef": 0.7, "ppo_clip": True},
 }
+
+
+def objective_of(case: str) -> str:
+    """The registered objective a case runs: `clip_cov/std` runs `clip_cov`."""
+    return case.split("/")[0]
 
 
 def make_batch() -> TokenBatch:
@@ -67,10 +77,10 @@ def make_context(agg: str, wider: bool) -> LossContext:
 Call = tuple[Callable[..., losses.LossOutput], dict[str, Any]]
 
 
-def plain_call(name: str, batch: TokenBatch, ctx: LossContext, wider: bool) -> Call:
-    """The plain function and the keyword arguments the objective `name` should hand it, written out from the
+def plain_call(case: str, batch: TokenBatch, ctx: LossContext, wider: bool) -> Call:
+    """The plain function and the keyword arguments the objective of `case` should hand it, written out from the
     documented meaning of each setting (not from the wrappers' code)."""
-    p = PARAMS[name]
+    p, name = PARAMS[case], objective_of(case)
     by_agg = TOKENS if ctx.agg == "token_mean" else SEQUENCES
     shared = {"agg": ctx.agg, "normalizer": by_agg, "dp_size": 2, "is_weights": batch.is_weights}
     gen = torch.Generator().manual_seed(SEED)
@@ -81,11 +91,13 @@ def plain_call(name: str, batch: TokenBatch, ctx: LossContext, wider: bool) -> C
         return losses.ppo_loss, {"clip_low": 0.25, "clip_high": 0.1, "dual_clip": 1.5, **shared}
     if name == "clip_cov":
         return losses.clip_cov_loss, {
-            "ratio": p["ratio"], "cov_lb": p["lb"], "cov_ub": p["ub"], "clip_low": 0.25, "clip_high": 0.1,
-            "generator": gen, **wider_kw, **shared,
+            "ratio": p["ratio"], "cov_lb": p["lb"], "cov_ub": p["ub"], "bounds_unit": p.get("bounds_unit", "abs"),
+            "clip_low": 0.25, "clip_high": 0.1, "generator": gen, **wider_kw, **shared,
         }  # fmt: skip
     if name == "kl_cov":
-        return losses.kl_cov_loss, {"ratio": p["ratio"], "coef": p["coef"], **wider_kw, **shared}
+        # the ablation clips with the shared PPO widths, (low, high) in that order
+        ppo_clip = (0.25, 0.1) if p.get("ppo_clip") else None
+        return losses.kl_cov_loss, {"ratio": p["ratio"], "coef": p["coef"], "ppo_clip": ppo_clip, **wider_kw, **shared}
     if name == "high_entropy":
         # the mean over the selected tokens: of the whole mini-batch on all ranks when selected there, else of this
         # micro-batch's own, averaged over the mini-batch's micro-batches (no further division across ranks)
@@ -114,13 +126,16 @@ def miswirings(kwargs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     if "clip_low" in kwargs:
         out.append(("swapped clip widths", {"clip_low": kwargs["clip_high"], "clip_high": kwargs["clip_low"]}))
+    if kwargs.get("ppo_clip") is not None:
+        low, high = kwargs["ppo_clip"]
+        out.append(("swapped PPO clip widths", {"ppo_clip": (high, low)}))
     if "normalizer" in kwargs:
         for other in (TOKENS, SEQUENCES, None):
             if other != kwargs["normalizer"]:
                 out.append((f"normalizer {other}", {"normalizer": other}))
     if "dp_size" in kwargs:
         out.append(("other dp_size", {"dp_size": 1 if kwargs["dp_size"] != 1 else 2}))
-    for key in ("is_weights", "dual_clip", "cov_means"):
+    for key in ("is_weights", "dual_clip", "cov_means", "ppo_clip"):
         if kwargs.get(key) is not None:
             out.append((f"no {key}", {key: None}))
     # the selection's settings matter only where the call selects; a selection made over the mini-batch is given
@@ -128,6 +143,9 @@ def miswirings(kwargs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     for key in ("coef",) + (("ratio", "top_frac", "cov_lb", "cov_ub") if selects_here else ()):
         if key in kwargs:
             out.append((f"other {key}", {key: kwargs[key] * 0.5}))
+    if "bounds_unit" in kwargs and selects_here:
+        other_unit = "abs" if kwargs["bounds_unit"] == "std" else "std"
+        out.append((f"bounds_unit {other_unit}", {"bounds_unit": other_unit}))
     if "agg" in kwargs:
         out.append(("other agg", {"agg": "token_mean" if kwargs["agg"] != "token_mean" else "seq_mean_token_mean"}))
     return out
@@ -159,22 +177,27 @@ def test_every_registered_objective_has_a_case():
     batch, ctx = make_batch(), make_context("token_mean", wider=False)
     for name in OBJECTIVES:
         plain_call(name, batch, ctx, wider=False)  # raises for an objective this file does not know
+    assert {objective_of(case) for case in PARAMS} == set(OBJECTIVES)
 
 
 @pytest.mark.parametrize("wider", [False, True], ids=["micro_batch_scope", "global_scope"])
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-@pytest.mark.parametrize("name", sorted(PARAMS))
-def test_the_registry_runs_the_plain_function_with_the_settings_it_was_given(name, agg, wider):
+@pytest.mark.parametrize("case", sorted(PARAMS))
+def test_the_registry_runs_the_plain_function_with_the_settings_it_was_given(case, agg, wider):
+    name = objective_of(case)
     obj = get_objective(name)
     if wider and obj.select is None:
         pytest.skip(f"{name} selects no tokens")
-    params = obj.config(**PARAMS[name])
-    fn, kwargs = plain_call(name, make_batch(), make_context(agg, wider), wider)
+    params = obj.config(**PARAMS[case])
+    fn, kwargs = plain_call(case, make_batch(), make_context(agg, wider), wider)
     expected = run(fn, kwargs)
 
     # the inputs can tell the right wiring from each wrong one
     for what, change in miswirings(kwargs):
-        assert not same(run(fn, {**kwargs, **change}), expected), f"{name}: this batch cannot see {what}"
+        wrong = run(fn, {**kwargs, **change})
+        assert not same(wrong, expected), f"{case}: this batch cannot see {what}"
+        if "bounds_unit" in change:  # its logged bound alone would differ; the tokens chosen must differ too
+            assert not torch.equal(wrong[0].selected, expected[0].selected), f"{case}: same tokens under {what}"
 
     # as the trainer runs it: the selector (micro-batch scope) or the mini-batch's selection, then the loss
     batch, ctx = make_batch(), make_context(agg, wider)
@@ -184,4 +207,4 @@ def test_the_registry_runs_the_plain_function_with_the_settings_it_was_given(nam
     out = obj.loss(batch, params, ctx)
     out.loss.backward()
     got = (out, batch.log_probs.grad)
-    assert same(got, expected), (name, float(out.loss), float(expected[0].loss), out.metrics, expected[0].metrics)
+    assert same(got, expected), (case, float(out.loss), float(expected[0].loss), out.metrics, expected[0].metrics)
