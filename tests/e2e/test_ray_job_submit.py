@@ -46,6 +46,14 @@ def head():
     subprocess.run(["bash", "scripts/ray_head.sh", "start", tmp, DASH, GCS], cwd=ROOT, check=True, env=env)
     try:
         yield env
+        # after the jobs, with their workers about: the head runs with authentication off, so none of its
+        # processes may listen beyond loopback (the script checks this at start too, before any worker exists)
+        check = subprocess.run(
+            ["bash", "scripts/ray_head.sh", "check", tmp], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        seen = re.search(r"(\d+) processes, (\d+) listening TCP sockets, all on loopback", check.stdout)
+        assert seen and int(seen[1]) >= 3 and int(seen[2]) >= 3, check.stdout  # GCS, raylet, dashboard at least
     finally:
         subprocess.run(["bash", "scripts/ray_head.sh", "stop", tmp], cwd=ROOT, env=env)
         if held:
