@@ -34,7 +34,9 @@ and prints, in markdown:
   with a 95% t-interval over them (n seeds, n - 1 degrees of freedom, scipy's t or a table; no interval with one
   seed; cut to the range the quantity can take, [0, 1] for accuracies and shares), the band column as the share of
   steps from --band-from (5) on inside the band; then each method minus --baseline, paired by seed: the mean of the
-  per-seed differences with its t-interval, "excludes 0" or "not significant at n seeds".
+  per-seed differences with its t-interval, "excludes 0" or "not significant at n seeds"; then every run on its own
+  row, seed by seed: its entropy, that over the baseline's of the same seed, pass@1 and pass@<largest k>, the band
+  share (whether a method beat the baseline in every seed, which a mean hides).
 - pass@k at each run's last evaluation (mean and interval over seeds), when logged: every k a run logged
   (`eval/pass@<k>`, the average over sources). A run without pass@k is left out of it with a note; a run whose last
   pass@k comes before its last step (its final weights were not evaluated) gets a note;
@@ -693,6 +695,43 @@ def seeds_table(
     return "\n".join(lines)
 
 
+def per_seed_table(
+    methods: list[Method],
+    baseline: str,
+    last: int = 10,
+    band: tuple[float, float] | None = None,
+    band_from: float = 5,
+) -> str:
+    """Each run on its own row, seed by seed, in markdown: its entropy over the last steps, that entropy over the
+    baseline's of the same seed, pass@1 and pass@<largest k> at its last evaluation, and with a band the share of
+    steps inside it. What a mean hides: whether a method beat the baseline in every seed."""
+    values = {m.label: seed_values(m, last, band, band_from) for m in methods}
+    base_h = values.get(baseline, {}).get(ENTROPY_KEY, {})
+    ks = sorted({int(PASS_AT_K.fullmatch(k).group(1)) for v in values.values() for k in v if PASS_AT_K.fullmatch(k)})
+    top = [1, ks[-1]] if ks and ks[-1] != 1 else ks
+    band_head = "" if band is None else f" in [{band[0]:g}, {band[1]:g}] (step >= {band_from:g}) |"
+    lines = [
+        f"| seed | method | entropy (last {last}) | entropy / {baseline} (same seed) | "
+        + "".join(f"pass@{k} | " for k in top)
+        + band_head.lstrip(),
+        "|---|---|---|---|" + "---|" * len(top) + ("" if band is None else "---|"),
+    ]
+    seeds = sorted({run.seed for m in methods for run in m.runs}, key=lambda s: (len(s), s))
+    for seed in seeds:
+        for m in methods:
+            v = values[m.label]
+            if not any(run.seed == seed for run in m.runs):
+                continue
+            h, b = v.get(ENTROPY_KEY, {}).get(seed), base_h.get(seed)
+            ratio = h / b if h is not None and b else None
+            cells = [_fmt(h, ".3f"), _fmt(ratio, ".2f")]
+            cells += [_fmt(v.get(f"eval/pass@{k}", {}).get(seed), ".3f") for k in top]
+            if band is not None:
+                cells.append(_fmt(v.get(BAND, {}).get(seed), ".0%"))
+            lines.append(f"| {seed.removeprefix('seed') or '?'} | {m.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def pass_at_k_table(curves: dict[str, list[tuple[int, Estimate]]]) -> str:
     """pass@k at the last evaluation, one row per method, one column per k any run logged."""
     ks = sorted({k for c in curves.values() for k, _ in c})
@@ -813,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
         if paired:
             print()
             print(paired)
+        print()
+        print(per_seed_table(methods, args.baseline, args.last, band, args.band_from))
     else:
         print(results_table(methods, args.baseline, args.last, band))
     if band is not None:

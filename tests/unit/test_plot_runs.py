@@ -574,3 +574,28 @@ def test_band_ceiling_recovers_the_noise_of_a_synthetic_reading(tmp_path):
         math.erf(0.15 / (sigma * 2**0.5)), abs=0.02
     )
     assert plot.band_ceiling(plot.Run(folder), (0.5, 0.8), from_step=n - 2) is None  # too few readings
+
+
+def test_per_seed_table_shows_each_run_against_the_baseline_of_its_seed(tmp_path, capsys):
+    written = write_study(tmp_path, STUDY)
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p", "--band", "0.5,0.8")
+    assert code == 0, err
+    head = next(line for line in out.splitlines() if line.startswith("| seed |"))
+    assert head == (
+        "| seed | method | entropy (last 10) | entropy / grpo (same seed) | pass@1 | pass@16 "
+        "| in [0.5, 0.8] (step >= 5) |"
+    )
+    rows = markdown_rows(out, "| seed |")
+    assert sorted(rows) == ["1", "2", "3"]
+    for seed, seed_rows in rows.items():
+        assert [r[0] for r in seed_rows] == list(STUDY)  # every method, in command-line order
+        recs = {method: written[method][int(seed)] for method in STUDY}
+        grpo_h = statistics.mean(r["entropy/seq_mean"] for r in recs["grpo"][-10:])
+        for method, entropy, ratio, pass1, pass16, band in seed_rows:
+            h = statistics.mean(r["entropy/seq_mean"] for r in recs[method][-10:])
+            assert float(entropy) == pytest.approx(h, abs=6e-4)
+            assert float(ratio) == pytest.approx(h / grpo_h, abs=6e-3)  # against the same seed's, not the mean
+            assert float(pass1) == pytest.approx(recs[method][-1]["eval/pass@1"], abs=6e-4)
+            assert float(pass16) == pytest.approx(recs[method][-1]["eval/pass@16"], abs=6e-4)
+            share = statistics.mean(0.5 <= r["entropy/seq_mean"] <= 0.8 for r in recs[method][5:])
+            assert float(band.rstrip("%")) == pytest.approx(100 * share, abs=0.6)
