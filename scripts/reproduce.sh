@@ -5,6 +5,7 @@
 #
 #   bash scripts/reproduce.sh --seeds 3               # the study: grpo clip_cov kl_cov kl_cov_band, seeds 1-3
 #   METHODS="grpo kl_cov" bash scripts/reproduce.sh --seeds 3       # a subset of the study
+#   METHODS=kl_cov_band_b05 bash scripts/reproduce.sh --seeds 2-2    # one seed of an arm
 #   bash scripts/reproduce.sh                         # the single-seed comparison: grpo clip_higher clip_cov kl_cov
 #   METHODS="kl_cov_target kl_cov_target_ratio" bash scripts/reproduce.sh   # KL-Cov under entropy control
 #   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
@@ -19,8 +20,17 @@ cd "$(dirname "$0")/.."
 OUT=${REPRO_OUT:-outputs/repro}
 PLOTS=${REPRO_PLOTS:-docs}  # where the PNGs go
 SEEDS=0  # 0: the single-seed comparison (seed 1, runs named by method)
+FIRST_SEED=1
 if [[ ${1:-} == --seeds ]]; then
-    SEEDS=$2
+    # N: seeds 1 to N; A-B: seeds A to B (--seeds 2-2 runs seed 2 alone)
+    if [[ $2 =~ ^([0-9]+)-([0-9]+)$ ]]; then
+        FIRST_SEED=${BASH_REMATCH[1]} SEEDS=${BASH_REMATCH[2]}
+    elif [[ $2 =~ ^[0-9]+$ ]]; then
+        SEEDS=$2
+    else
+        echo "error: --seeds $2: give N (seeds 1 to N) or A-B (seeds A to B)" >&2
+        exit 2
+    fi
     shift 2
 fi
 if (( SEEDS > 0 )); then
@@ -105,7 +115,7 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
 
 mkdir -p "$OUT"
 if (( SEEDS > 0 )); then
-    for seed in $(seq 1 "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
+    for seed in $(seq "$FIRST_SEED" "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
         for method in $METHODS; do
             # shellcheck disable=SC2086  # STUDY_EXTRA holds several flags
             run_one "${method}_seed$seed" "$method" --train.seed "$seed" "${STUDY[@]}" ${STUDY_EXTRA[$method]:-} "$@"
@@ -120,7 +130,7 @@ fi
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
-    for method in grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip; do
+    for method in grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05; do
         for dir in "$PLOTS"/runs/"${method}"_seed*/; do
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done
