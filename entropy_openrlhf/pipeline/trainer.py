@@ -40,6 +40,7 @@ from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.cluster import NODE_VERDICT_S, LostNode, NodeWatch, wait_dead, wait_started
 from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.pipeline.evaluation import evaluate
+from entropy_openrlhf.presets import PRESETS
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
 
@@ -128,6 +129,14 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
         f"only its floor of one token (quota max(1, floor({params.ratio:g} x ~{tokens:.0f} tokens)); selected "
         f"{metrics.get(f'loss/{name}_frac', 0.0):.2%} of tokens; cov p99 {metrics.get('cov/p99', 0.0):.3g}"
     )
+    if metrics.get("cov/max", 0.0) == 0.0 and metrics.get("cov/p99", 0.0) == 0.0:
+        # every advantage was 0: each group's samples scored alike (all wrong, say), which no objective setting
+        # changes; the flags below would not have helped these steps
+        return text + (
+            "). Every token's covariance was 0 in the last of them: all advantages were 0, each group's samples "
+            "scoring alike, so there was nothing to select and no gradient for any objective. Easier prompts or "
+            "more samples per prompt (--rollout.n_samples_per_prompt) give groups that differ."
+        )
     if name == "clip_cov":
         in_bounds = metrics.get("loss/clip_cov_in_bounds", 0.0)
         unit = (
@@ -135,11 +144,16 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
             if params.bounds_unit == "abs"
             else f" x the covariance std (lower bound ~{metrics.get('loss/clip_cov_lb', 0.0):.3g})"
         )
-        text += (
-            f" against bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). Use "
-            "--preset clip-cov-small (ratio 0.05, about half of the candidates at 4 x 30-token micro-batches, and "
-            "bounds in units of the covariance std, which follow covariances that shrink as training goes on)"
-        )
+        text += f" against bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). "
+        small = PRESETS["clip-cov-small"]
+        if params.bounds_unit == small["loss.clip_cov.bounds_unit"] and params.ratio >= small["loss.clip_cov.ratio"]:
+            text += "Widen the bounds (--loss.clip_cov.lb, --loss.clip_cov.ub), raise --loss.clip_cov.ratio"
+        else:
+            text += (
+                "Use --preset clip-cov-small (ratio 0.05, about half of the candidates at 4 x 30-token "
+                "micro-batches, and bounds in units of the covariance std, which follow covariances that shrink as "
+                "training goes on)"
+            )
     else:
         text += f"). Raise --loss.{name}.ratio to at least 1/{tokens:.0f}"
     return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."

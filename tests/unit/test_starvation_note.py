@@ -1,0 +1,43 @@
+"""The note a run prints once when a covariance objective's selection barely acts (trainer.starvation_note): it
+names the numbers and only advice that could help, and says so when the steps had no signal at all."""
+
+from entropy_openrlhf.config import from_args
+from entropy_openrlhf.pipeline.trainer import starvation_note
+from entropy_openrlhf.presets import PIPELINES
+
+
+def config(pipeline: str, *flags: str):
+    return from_args(list(flags), PIPELINES[pipeline])
+
+
+# a step whose covariances are spread but whose quota is the one-token floor (4 micro-batches of ~80 tokens)
+SPREAD = {"loss/select_tokens": 80.0, "loss/kl_cov_frac": 0.0125, "cov/p99": 0.42, "cov/max": 1.3}
+# a step in which every sample of every group scored alike: all advantages, hence all covariances, are 0
+SILENT = {"loss/select_tokens": 80.0, "loss/clip_cov_frac": 0.0, "cov/p99": 0.0, "cov/max": 0.0}
+
+
+def test_kl_cov_at_its_floor_is_told_the_ratio_that_lifts_it():
+    note = starvation_note(config("kl_cov", "--loss.kl_cov.ratio", "0.002"), SPREAD)
+    assert "kl_cov barely acts" in note and "floor(0.002 x ~80 tokens)" in note and "cov p99 0.42" in note
+    assert "Raise --loss.kl_cov.ratio to at least 1/80" in note
+
+
+def test_clip_cov_at_the_paper_s_setting_is_pointed_to_the_small_scale_preset():
+    metrics = {**SPREAD, "loss/clip_cov_frac": 0.0, "loss/clip_cov_in_bounds": 0.0}
+    note = starvation_note(config("clip_cov"), metrics)
+    assert "against bounds (1, 5), 0.0% of tokens inside them" in note
+    assert "--preset clip-cov-small" in note
+
+
+def test_clip_cov_already_at_the_preset_is_not_sent_back_to_it():
+    metrics = {**SPREAD, "loss/clip_cov_frac": 0.0, "loss/clip_cov_in_bounds": 0.0, "loss/clip_cov_lb": 0.05}
+    note = starvation_note(config("clip_cov", "--preset", "clip-cov-small"), metrics)
+    assert "x the covariance std (lower bound ~0.05)" in note
+    assert "--preset clip-cov-small" not in note and "--loss.clip_cov.lb" in note
+
+
+def test_steps_without_any_advantage_are_named_as_such_with_no_objective_advice():
+    for pipeline, flags in (("clip_cov", ("--preset", "clip-cov-small")), ("kl_cov", ())):
+        note = starvation_note(config(pipeline, *flags), SILENT)
+        assert "all advantages were 0" in note and "--rollout.n_samples_per_prompt" in note, note
+        assert "--preset" not in note and f"--loss.{pipeline}.ratio" not in note, note
