@@ -2,6 +2,11 @@
 
 wandb 0.31 cannot read its own run file back from Python, so `files/metrics.jsonl` in the run folder is what
 `scripts/fit_entropy_law.py` and the tests read.
+
+A W&B failure does not stop training: the first one is reported in one line, W&B is left alone from then on, and
+every step still goes to metrics.jsonl. The usual cause is W&B's service process ending before the driver: a SIGTERM
+to the driver's process group (`ray job stop`, SLURM) reaches both, and the driver's next `log` would otherwise
+raise ConnectionResetError before its own stop handler runs.
 """
 
 from __future__ import annotations
@@ -29,20 +34,36 @@ class Tracker:
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
         self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-<time>-<id>
-        self._jsonl = open(Path(self.run.dir) / "metrics.jsonl", "a")
+        self.jsonl_path = Path(self.run.dir) / "metrics.jsonl"
+        self._jsonl = open(self.jsonl_path, "a")
         self._wandb = wandb
+        self.wandb_failed = ""  # the first W&B error, once there was one; W&B is not called after it
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")  # first: it must not depend on W&B
         self._jsonl.flush()
+        self._to_wandb(metrics, step)
 
     def log_samples(self, samples: list[Sample], step: int, limit: int = 8) -> None:
         table = self._wandb.Table(columns=["step", "prompt", "response", "label", "reward", "policy_version"])
         for s in samples[:limit]:
             table.add_data(step, s.prompt[-500:], s.response, s.label, s.reward, s.policy_version)
-        self.run.log({"samples": table}, step=step)
+        self._to_wandb({"samples": table}, step)
+
+    def _to_wandb(self, payload: dict[str, Any], step: int) -> None:
+        if self.wandb_failed:
+            return
+        try:
+            self.run.log(payload, step=step)
+        except Exception as e:  # any W&B error: its service gone, a full disk, a rejected value
+            self.wandb_failed = f"{type(e).__name__}: {e}"
+            print(
+                f"[entropy-openrlhf] W&B logging failed at step {step} ({self.wandb_failed}); it is not called again "
+                f"in this run, which goes on, each step still written to {self.jsonl_path}",
+                flush=True,
+            )
 
     def finish(self) -> None:
         self._jsonl.close()
-        self.run.finish()
+        if not self.wandb_failed:
+            self.run.finish()
