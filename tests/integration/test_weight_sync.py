@@ -151,7 +151,8 @@ class TestCollectiveSync:
         deadline = 5.0
         t0 = time.monotonic()
         try:
-            with pytest.raises(WeightSyncTimeoutError, match=r"engine\(s\) \[0\] of 2 did not answer before the broadcast"):
+            busy_named = r"engine\(s\) \[0\] of 2 did not answer before the broadcast"
+            with pytest.raises(WeightSyncTimeoutError, match=busy_named):
                 broadcast(collective, 3, timeout_s=deadline)
             # it waited for the deadline, and no longer (Ray's own timer may end a few microseconds before ours)
             assert deadline - SLACK_S <= time.monotonic() - t0 < deadline + 60
