@@ -58,17 +58,21 @@ CTL_BAND=0.5,0.8
 # grpo_band: GRPO under the controller, which has only the entropy bonus to move (`--seeds 1`, METHODS=grpo_band).
 # clip_cov_wide: Clip-Cov detaching more than the study's arm: bounds from 0.5 std (more candidates) and a ratio of
 # 0.1 (about every candidate); the study's clip_cov selected 0.8-1.2% of tokens and did not hold entropy.
+# clip_cov_global: clip_cov_wide drawing once over each optimizer mini-batch (--loss.scope global): per micro-batch,
+# the groups whose rewards all agree have no candidates and waste their quota while the others have more candidates
+# than their own quota (clip_cov_wide: 7-23% of tokens in bounds in such steps, 3-5% detached).
 # kl_cov_band_b05: kl_cov_band with a bonus ceiling five times the default (--entropy.max_bonus 0.05): in the study's
 # seed 2 both knobs reached their bounds and entropy still fell below the band (docs/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
 # minus GRPO mixes the penalty with the clip KL-Cov drops; kl_cov_clip minus GRPO is the penalty alone.
 declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov [grpo_band]=grpo
-    [kl_cov_clip]=kl_cov [kl_cov_band_b05]=kl_cov [clip_cov_wide]=clip_cov)
+    [kl_cov_clip]=kl_cov [kl_cov_band_b05]=kl_cov [clip_cov_wide]=clip_cov [clip_cov_global]=clip_cov)
 declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
     [kl_cov_band]="--entropy.target $CTL_BAND" [grpo_band]="--entropy.target $CTL_BAND"
     [kl_cov_clip]="--loss.kl_cov.ppo_clip true" [kl_cov_band_b05]="--entropy.target $CTL_BAND --entropy.max_bonus 0.05"
-    [clip_cov_wide]="--preset clip-cov-small --loss.clip_cov.lb 0.5 --loss.clip_cov.ratio 0.1")
+    [clip_cov_wide]="--preset clip-cov-small --loss.clip_cov.lb 0.5 --loss.clip_cov.ratio 0.1"
+    [clip_cov_global]="--preset clip-cov-small --loss.clip_cov.lb 0.5 --loss.clip_cov.ratio 0.1 --loss.scope global")
 
 merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
     # a step logged again after a resume replaces the earlier row
@@ -133,7 +137,7 @@ fi
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
-    for method in grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide; do
+    for method in grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide clip_cov_global; do
         for dir in "$PLOTS"/runs/"${method}"_seed*/; do
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done
