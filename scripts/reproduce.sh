@@ -46,8 +46,9 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 # The study's extra budget: pass@k over 16 samples per held-out prompt, midway and at the end, and checkpoints.
 # Three evaluations (versions 0, 13 and the final 25): 64 prompts x 16 samples take minutes on two cores.
 STUDY=(--eval.n_samples 16 --eval.every 13 --train.save_every 5 --train.keep_checkpoints 1)
-# The study's Clip-Cov is the setting that gives it room at this size (docs/losses.md, "At small scale").
-declare -A STUDY_EXTRA=([clip_cov]="--preset clip-cov-small")
+# The study's Clip-Cov arm is the first setting that gave it room at this size (docs/losses.md, "At small scale"):
+# bounds in covariance std, ratio 0.05. clip_cov_wide is today's --preset clip-cov-small.
+declare -A STUDY_EXTRA=([clip_cov]="--loss.clip_cov.bounds_unit std --loss.clip_cov.ratio 0.05")
 
 # Runs that are not a pipeline of their own: the pipeline they run and their own flags.
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
@@ -56,8 +57,8 @@ CTL_BAND=0.5,0.8
 # kl_cov_target_ratio: the same, the controller scaling KL-Cov's ratio of tokens instead of its coefficient.
 # kl_cov_band (the study): KL-Cov under the controller, holding the same band.
 # grpo_band: GRPO under the controller, which has only the entropy bonus to move (`--seeds 1`, METHODS=grpo_band).
-# clip_cov_wide: Clip-Cov detaching more than the study's arm: bounds from 0.5 std (more candidates) and a ratio of
-# 0.1 (about every candidate); the study's clip_cov selected 0.8-1.2% of tokens and did not hold entropy.
+# clip_cov_wide: Clip-Cov detaching more than the study's arm, --preset clip-cov-small: bounds from 0.5 std (more
+# candidates) and a ratio of 0.1 (about every candidate); the study's clip_cov selected 0.8-1.2% of tokens.
 # clip_cov_global: clip_cov_wide drawing once over each optimizer mini-batch (--loss.scope global): per micro-batch,
 # the groups whose rewards all agree have no candidates and waste their quota while the others have more candidates
 # than their own quota (clip_cov_wide: 7-23% of tokens in bounds in such steps, 3-5% detached).
@@ -71,8 +72,7 @@ declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
     [kl_cov_band]="--entropy.target $CTL_BAND" [grpo_band]="--entropy.target $CTL_BAND"
     [kl_cov_clip]="--loss.kl_cov.ppo_clip true" [kl_cov_band_b05]="--entropy.target $CTL_BAND --entropy.max_bonus 0.05"
-    [clip_cov_wide]="--preset clip-cov-small --loss.clip_cov.lb 0.5 --loss.clip_cov.ratio 0.1"
-    [clip_cov_global]="--preset clip-cov-small --loss.clip_cov.lb 0.5 --loss.clip_cov.ratio 0.1 --loss.scope global")
+    [clip_cov_wide]="--preset clip-cov-small" [clip_cov_global]="--preset clip-cov-small --loss.scope global")
 
 merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
     # a step logged again after a resume replaces the earlier row

@@ -146,13 +146,18 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
         )
         text += f" against bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). "
         small = PRESETS["clip-cov-small"]
-        if params.bounds_unit == small["loss.clip_cov.bounds_unit"] and params.ratio >= small["loss.clip_cov.ratio"]:
+        at_least_as_wide = (
+            params.bounds_unit == small["loss.clip_cov.bounds_unit"]
+            and params.ratio >= small["loss.clip_cov.ratio"]
+            and params.lb <= small["loss.clip_cov.lb"]
+        )
+        if at_least_as_wide:
             text += "Widen the bounds (--loss.clip_cov.lb, --loss.clip_cov.ub), raise --loss.clip_cov.ratio"
         else:
             text += (
-                "Use --preset clip-cov-small (ratio 0.05, about half of the candidates at 4 x 30-token "
-                "micro-batches, and bounds in units of the covariance std, which follow covariances that shrink as "
-                "training goes on)"
+                f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, about every candidate at "
+                f"4 x 30-token micro-batches, and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
+                "follow covariances that shrink as training goes on)"
             )
     else:
         text += f"). Raise --loss.{name}.ratio to at least 1/{tokens:.0f}"

@@ -29,6 +29,19 @@ def test_clip_cov_at_the_paper_s_setting_is_pointed_to_the_small_scale_preset():
     assert "--preset clip-cov-small" in note
 
 
+def test_clip_cov_narrower_than_the_preset_is_pointed_to_it():
+    # the study's first small-scale setting: bounds in std, but from 1 std with a ratio of 0.05
+    metrics = {**SPREAD, "loss/clip_cov_frac": 0.0, "loss/clip_cov_in_bounds": 0.0, "loss/clip_cov_lb": 0.1}
+    flags = ("--loss.clip_cov.bounds_unit", "std", "--loss.clip_cov.ratio", "0.05")
+    note = starvation_note(config("clip_cov", *flags), metrics)
+    assert "Use --preset clip-cov-small (ratio 0.1," in note and "bounds from 0.5 covariance std" in note, note
+    note = starvation_note(config("clip_cov", *flags, "--loss.clip_cov.ratio", "0.1"), metrics)
+    assert "Use --preset clip-cov-small" in note, note  # the ratio is the preset's, the lower bound (1) is not
+    wider = ("--loss.clip_cov.ratio", "0.2", "--loss.clip_cov.lb", "0.3")
+    note = starvation_note(config("clip_cov", *flags, *wider), metrics)
+    assert "--preset" not in note and "Widen the bounds" in note, note
+
+
 def test_clip_cov_already_at_the_preset_is_not_sent_back_to_it():
     metrics = {**SPREAD, "loss/clip_cov_frac": 0.0, "loss/clip_cov_in_bounds": 0.0, "loss/clip_cov_lb": 0.05}
     note = starvation_note(config("clip_cov", "--preset", "clip-cov-small"), metrics)
