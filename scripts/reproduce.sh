@@ -59,9 +59,8 @@ CTL_BAND=0.5,0.8
 # grpo_band: GRPO under the controller, which has only the entropy bonus to move (`--seeds 1`, METHODS=grpo_band).
 # clip_cov_wide: Clip-Cov detaching more than the study's arm, --preset clip-cov-small: bounds from 0.5 std (more
 # candidates) and a ratio of 0.1 (about every candidate); the study's clip_cov selected 0.8-1.2% of tokens.
-# clip_cov_global: clip_cov_wide drawing once over each optimizer mini-batch (--loss.scope global): per micro-batch,
-# the groups whose rewards all agree have no candidates and waste their quota while the others have more candidates
-# than their own quota (clip_cov_wide: 7-23% of tokens in bounds in such steps, 3-5% detached).
+# clip_cov_global: clip_cov_wide drawing once over each optimizer mini-batch (--loss.scope global). At this shape a
+# mini-batch (4 samples) is one micro-batch, so it is the same run: its seed 1 logged what clip_cov_wide's did.
 # kl_cov_band_b05: kl_cov_band with a bonus ceiling five times the default (--entropy.max_bonus 0.05): in the study's
 # seed 2 both knobs reached their bounds and entropy still fell below the band (docs/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
