@@ -680,6 +680,18 @@ def validate(cfg: Config) -> list[str]:
         f"rollout.batch_size x n_samples_per_prompt = {sequences} sequences must split evenly into "
         f"{cfg.train.mini_batches} mini-batches over {cfg.actor.num_workers} actor(s)",
     )
+    # one rank whose every mini-batch is a single micro-batch: the global scope pools nothing, selects exactly what
+    # micro_batch selects (the study's clip_cov_global run logged clip_cov_wide's numbers), and still pays the extra
+    # no-grad forward of the current log-probs
+    objective = OBJECTIVES.get(cfg.loss.type)
+    if cfg.loss.scope == "global" and objective is not None and objective.select is not None:
+        if cfg.actor.num_workers == 1 and 0 < per_step <= cfg.actor.micro_batch_size:
+            notes.append(
+                f"--loss.scope global selects what micro_batch does here: each optimizer mini-batch ({per_step} "
+                f"sequences) is one micro-batch (--actor.micro_batch_size {cfg.actor.micro_batch_size}) on one actor, "
+                "so there is nothing to pool, and it costs an extra forward per mini-batch; fewer --train.mini_batches "
+                "or more --actor.num_workers give it a wider scope"
+            )
     if errors:
         # one error: one line; several: one line each
         raise ConfigError(

@@ -1,4 +1,5 @@
 import dataclasses
+import warnings
 
 import pytest
 
@@ -69,6 +70,25 @@ def test_out_of_range_values_name_the_flag(flag, value, needle):
     set_by_path(cfg, flag, value)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         validate(cfg)
+
+
+def test_global_scope_that_pools_nothing_says_so():
+    # the study's shape: 4 prompts x 4 samples in 4 mini-batches of 4 sequences, one micro-batch of 4 each
+    shape = ["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.mini_batches", "4",
+             "--actor.micro_batch_size", "4", "--loss.scope", "global"]  # fmt: skip
+
+    def scope_notes(pipeline: str, *flags: str) -> list[str]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return [n for n in validate(from_args([*shape, *flags], PIPELINES[pipeline])) if "--loss.scope" in n]
+
+    (note,) = scope_notes("clip_cov")
+    assert "each optimizer mini-batch (4 sequences) is one micro-batch (--actor.micro_batch_size 4)" in note
+    assert scope_notes("kl_cov")  # every selecting objective
+    assert not scope_notes("grpo")  # ppo selects nothing: the scope does not apply
+    assert not scope_notes("clip_cov", "--train.mini_batches", "2")  # 8 sequences: two micro-batches to pool
+    assert not scope_notes("clip_cov", "--actor.num_workers", "2")  # pooled over the ranks
+    assert not scope_notes("clip_cov", "--loss.scope", "micro_batch")
 
 
 def test_kl_cov_with_one_optimizer_step_warns_that_it_is_plain_policy_gradient():
