@@ -58,7 +58,7 @@ CTL_BAND=0.5,0.8
 # kl_cov_band (the study): KL-Cov under the controller, holding the same band.
 # grpo_band: GRPO under the controller, which has only the entropy bonus to move (`--seeds 1`, METHODS=grpo_band).
 # clip_cov_wide: Clip-Cov detaching more than the study's arm, --preset clip-cov-small: bounds from 0.5 std (more
-# candidates) and a ratio of 0.1 (about every candidate); the study's clip_cov selected 0.8-1.2% of tokens.
+# candidates) and a ratio of 0.1 (1-3% of tokens detached); the study's clip_cov selected 0.8-1.2% of tokens.
 # clip_cov_global: clip_cov_wide drawing once over each optimizer mini-batch (--loss.scope global). At this shape a
 # mini-batch (4 samples) is one micro-batch, so it is the same run: its seed 1 logged what clip_cov_wide's did.
 # clip_cov_all: the preset with a ratio of 1, so the quota never binds and every token inside the bounds is detached
