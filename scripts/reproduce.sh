@@ -15,6 +15,7 @@
 # held-out prompt at the start, at step 13 and on the final weights, and checkpoints every 5 steps: a run stopped part-way
 # continues from its newest checkpoint (--train.resume true) when the script is started again. A run whose final
 # model exists is skipped; REPRO_FORCE=1 reruns it. Per-step metrics are copied to docs/runs/<run>/metrics.jsonl.
+# REPRO_DRY_RUN=1 prints each run's command instead of running it (and writes nothing): what a run would be given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${REPRO_OUT:-outputs/repro}
@@ -106,6 +107,15 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
     fi
     if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
         resume=(--train.resume true)
+    fi
+    # shellcheck disable=SC2086  # EXTRA holds several flags
+    local cmd=(.venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$run"
+        --logger.run_name "repro-$run" "${COMMON[@]}" ${EXTRA[$method]:-} "$@" "${resume[@]}")
+    if [[ -n "${REPRO_DRY_RUN:-}" ]]; then
+        echo "== $run: ${cmd[*]}"
+        return
+    fi
+    if (( ${#resume[@]} )); then
         echo "== $run: continuing from its newest checkpoint, $(date -u +%H:%M:%S)"
     else
         rm -rf "${OUT:?}/$run"
@@ -113,17 +123,14 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
     fi
     local start
     start=$(date +%s)
-    # shellcheck disable=SC2086  # EXTRA holds several flags
-    .venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$run" \
-        --logger.run_name "repro-$run" "${COMMON[@]}" ${EXTRA[$method]:-} "$@" "${resume[@]}" 2>&1 \
-        | tee -a "$OUT/$run.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
+    "${cmd[@]}" 2>&1 | tee -a "$OUT/$run.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
     echo "== $run took $(( $(date +%s) - start )) s"
     # the per-step metrics, kept beside the plots so they can be redrawn once outputs/ is gone
     mkdir -p "$PLOTS/runs/$run"
     merge_metrics "$OUT/$run" "$PLOTS/runs/$run/metrics.jsonl"
 }
 
-mkdir -p "$OUT"
+if [[ -z "${REPRO_DRY_RUN:-}" ]]; then mkdir -p "$OUT"; fi
 if (( SEEDS > 0 )); then
     for seed in $(seq "$FIRST_SEED" "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
         for method in $METHODS; do
@@ -137,6 +144,7 @@ else
     done
 fi
 
+if [[ -n "${REPRO_DRY_RUN:-}" ]]; then exit 0; fi  # the commands were printed; nothing ran, nothing to plot
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
