@@ -155,8 +155,9 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
             text += "Widen the bounds (--loss.clip_cov.lb, --loss.clip_cov.ub), raise --loss.clip_cov.ratio"
         else:
             text += (
-                f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, a quota of 12 tokens in a "
-                f"4 x 30-token micro-batch, and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
+                f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, a quota of "
+                f"{int(small['loss.clip_cov.ratio'] * 4 * 30)} tokens in a 4 x 30-token micro-batch, and bounds "
+                f"from {small['loss.clip_cov.lb']:g} covariance std, which "
                 "follow covariances that shrink as training goes on)"
             )
     else:
