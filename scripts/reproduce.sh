@@ -80,6 +80,10 @@ declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [clip_cov_wide]="--preset clip-cov-small" [clip_cov_global]="--preset clip-cov-small --loss.scope global"
     [clip_cov_all]="--preset clip-cov-small --loss.clip_cov.ratio 1"
     [clip_cov_r03]="--preset clip-cov-small --loss.clip_cov.ratio 0.3")
+# The order the study's table lists its arms in, the baseline first. An arm declared above but missing here is
+# still plotted, after these: a new arm never drops out of the table unnoticed.
+STUDY_ORDER=(grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide clip_cov_global
+    clip_cov_all clip_cov_r03)
 
 merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
     # a step logged again after a resume replaces the earlier row
@@ -151,7 +155,11 @@ if [[ -n "${REPRO_DRY_RUN:-}" ]]; then exit 0; fi  # the commands were printed; 
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
-    for method in grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide clip_cov_global clip_cov_all clip_cov_r03; do
+    arms=("${STUDY_ORDER[@]}")
+    for method in $(printf '%s\n' "${!PIPELINE[@]}" | sort); do
+        if [[ " ${arms[*]} " != *" $method "* ]]; then arms+=("$method"); fi
+    done
+    for method in "${arms[@]}"; do
         for dir in "$PLOTS"/runs/"${method}"_seed*/; do
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done

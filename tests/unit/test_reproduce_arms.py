@@ -108,3 +108,32 @@ def test_a_malformed_seed_range_is_refused_by_name(tmp_path, bad):
         check=False,
     )
     assert done.returncode == 2 and f"--seeds {bad.split()[1]}" in done.stderr
+
+
+def test_the_study_table_lists_every_committed_arm_the_baseline_first(tmp_path):
+    # Nothing runs: every run asked for has committed metrics (here, copies of real ones), so the script goes straight
+    # to its table. kl_cov_target is declared but not in STUDY_ORDER: it must still be listed, after the ordered arms.
+    plots = tmp_path / "plots"
+    for arm, source in [("kl_cov_target", "kl_cov"), ("clip_cov_wide", "clip_cov_wide"), ("grpo", "grpo")]:
+        for seed in (2, 3):
+            run = plots / "runs" / f"{arm}_seed{seed}"
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text(
+                (ROOT / "docs" / "runs" / f"{source}_seed{seed}" / "metrics.jsonl").read_text()
+            )
+    env = {
+        **os.environ,
+        "REPRO_OUT": str(tmp_path / "out"),
+        "REPRO_PLOTS": str(plots),
+        "METHODS": "grpo kl_cov_target",
+        "MPLBACKEND": "Agg",
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--seeds", "2-3"], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "skipped" in done.stdout and not list((tmp_path / "out").glob("*.log")), "a run was started"
+    table = (tmp_path / "out" / "results_study.txt").read_text()
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "seeds" not in line]
+    arms = [row for row in dict.fromkeys(rows) if row in {"grpo", "clip_cov_wide", "kl_cov_target"}]
+    assert arms == ["grpo", "clip_cov_wide", "kl_cov_target"], table
