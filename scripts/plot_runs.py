@@ -36,7 +36,8 @@ and prints, in markdown:
   steps from --band-from (5) on inside the band; then each method minus --baseline, paired by seed: the mean of the
   per-seed differences with its t-interval, "excludes 0" or "not significant at n seeds"; then every run on its own
   row, seed by seed: its entropy, that over the baseline's of the same seed, pass@1 and pass@<largest k>, the band
-  share (whether a method beat the baseline in every seed, which a mean hides).
+  share (whether a method beat the baseline in every seed, which a mean hides); then, for Clip-Cov and KL-Cov runs,
+  how much each selected: its share of tokens, for Clip-Cov of those inside the bounds, and of micro-batches starved.
 - pass@k at each run's last evaluation (mean and interval over seeds), when logged: every k a run logged
   (`eval/pass@<k>`, the average over sources). A run without pass@k is left out of it with a note; a run whose last
   pass@k comes before its last step (its final weights were not evaluated) gets a note;
@@ -732,6 +733,37 @@ def per_seed_table(
     return "\n".join(lines)
 
 
+# What a token-selecting objective logs per step (loss_terms.py): the share of tokens it selected, for Clip-Cov the
+# share inside its bounds (its candidates), and whether its micro-batches selected nothing or only the floor.
+SELECTED_KEYS = ("loss/clip_cov_frac", "loss/kl_cov_frac")
+IN_BOUNDS_KEY = "loss/clip_cov_in_bounds"
+STARVED_KEY = "loss/select_starved"
+
+
+def selection_table(methods: list[Method]) -> str:
+    """How much a Clip-Cov or KL-Cov run selected, each run on its own row, in markdown: the share of tokens selected
+    (mean over the logged steps), for Clip-Cov the share inside the bounds and the selected share of those (ratio of
+    the two means), and the share of micro-batches that selected nothing or only the one-token floor
+    (`loss/select_starved`, itself a share per step). Empty when no run selects tokens."""
+    lines = [
+        "| seed | method | tokens selected | inside the bounds | selected / inside | micro-batches starved |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        for run in m.runs:
+            names = run.metric_names()
+            key = next((k for k in SELECTED_KEYS if k in names), None)
+            if key is None:
+                continue
+            selected = float(np.mean(run.series(key)[1]))
+            inside = float(np.mean(run.series(IN_BOUNDS_KEY)[1])) if IN_BOUNDS_KEY in names else None
+            share = selected / inside if inside else None
+            starved = float(np.mean(run.series(STARVED_KEY)[1])) if STARVED_KEY in names else None
+            cells = [_fmt(selected, ".2%"), _fmt(inside, ".2%"), _fmt(share, ".0%"), _fmt(starved, ".0%")]
+            lines.append(f"| {run.seed.removeprefix('seed') or '?'} | {m.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def pass_at_k_table(curves: dict[str, list[tuple[int, Estimate]]]) -> str:
     """pass@k at the last evaluation, one row per method, one column per k any run logged."""
     ks = sorted({k for c in curves.values() for k, _ in c})
@@ -854,6 +886,9 @@ def main(argv: list[str] | None = None) -> int:
             print(paired)
         print()
         print(per_seed_table(methods, args.baseline, args.last, band, args.band_from))
+        if selection := selection_table(methods):
+            print()
+            print(selection)
     else:
         print(results_table(methods, args.baseline, args.last, band))
     if band is not None:

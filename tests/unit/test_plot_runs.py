@@ -599,3 +599,42 @@ def test_per_seed_table_shows_each_run_against_the_baseline_of_its_seed(tmp_path
             assert float(pass16) == pytest.approx(recs[method][-1]["eval/pass@16"], abs=6e-4)
             share = statistics.mean(0.5 <= r["entropy/seq_mean"] <= 0.8 for r in recs[method][5:])
             assert float(band.rstrip("%")) == pytest.approx(100 * share, abs=0.6)
+
+
+def test_selection_table_gives_each_runs_selected_share_of_tokens_and_of_its_candidates(tmp_path, capsys):
+    written = write_study(tmp_path, {"grpo": 0.02, "clip_cov": 0.015, "kl_cov": 0.0}, seeds=(1, 2))
+    rng = np.random.default_rng(7)
+    logged = {}  # (method, seed) -> what the selection rows hold, per step
+    for method, key in (("clip_cov", "loss/clip_cov_frac"), ("kl_cov", "loss/kl_cov_frac")):
+        for seed, records in written[method].items():
+            selected = rng.uniform(0.0, 0.04, len(records))
+            inside = selected + rng.uniform(0.0, 0.06, len(records))
+            starved = (rng.uniform(size=len(records)) < 0.4).astype(float)
+            for rec, s, i, z in zip(records, selected, inside, starved):
+                rec[key], rec["loss/select_starved"] = float(s), float(z)
+                if method == "clip_cov":
+                    rec["loss/clip_cov_in_bounds"] = float(i)
+            (tmp_path / f"{method}_seed{seed}" / "metrics.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in records)
+            )
+            logged[method, seed] = (selected, inside, starved)
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "plots")
+    assert code == 0, err
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| seed | method | tokens selected"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        seed, method, *cells = (c.strip() for c in line.split("|")[1:-1])
+        rows[method, int(seed)] = cells
+    assert set(rows) == set(logged)  # GRPO selects nothing: no row
+    for (method, seed), (selected, inside, starved) in logged.items():
+        cells = rows[method, seed]
+        assert cells[0] == f"{100 * sum(selected) / len(selected):.2f}%"
+        assert cells[3] == f"{100 * sum(starved) / len(starved):.0f}%"
+        if method == "clip_cov":  # the selected share of the candidates is the ratio of the two means
+            assert cells[1] == f"{100 * sum(inside) / len(inside):.2f}%"
+            assert cells[2] == f"{100 * sum(selected) / sum(inside):.0f}%"
+        else:  # KL-Cov has no bounds
+            assert cells[1:3] == ["n/a", "n/a"]
