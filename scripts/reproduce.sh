@@ -64,8 +64,9 @@ CTL_BAND=0.5,0.8
 # mini-batch (4 samples) is one micro-batch, so it is the same run: its seed 1 logged what clip_cov_wide's did.
 # clip_cov_all: the preset with a ratio of 1, so the quota never binds and every token inside the bounds is detached
 # (in the preset's runs the candidates often outnumbered its 10% quota). It let entropy run away in seed 1.
-# clip_cov_r03: the preset with a ratio of 0.3, inside the window between 0.1 (no measurable effect over seven seeds)
-# and 1 (a runaway); seven seeds against GRPO's, fixed in advance (docs/losses.md, "At small scale").
+# clip_cov_r03: the preset with a ratio of 0.3, between 0.1 (no measurable effect over seven seeds) and 1 (a
+# runaway); seven seeds against GRPO's, fixed in advance: entropy above GRPO's in every seed but train accuracy
+# significantly lower, entropy running away in four seeds (docs/results.md, "Ratio 0.3").
 # kl_cov_band_b05: kl_cov_band with a bonus ceiling five times the default (--entropy.max_bonus 0.05): in the study's
 # seed 2 both knobs reached their bounds and entropy still fell below the band (docs/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
