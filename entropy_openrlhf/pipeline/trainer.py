@@ -36,6 +36,7 @@ from entropy_openrlhf.actors.reward import RewardGroup
 from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
+from entropy_openrlhf.algorithms.loss_terms import selection_quota
 from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.cluster import NODE_VERDICT_S, LostNode, NodeWatch, wait_dead, wait_started
 from entropy_openrlhf.config import Config, ConfigError
@@ -156,8 +157,8 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
         else:
             text += (
                 f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, a quota of "
-                f"{int(small['loss.clip_cov.ratio'] * 4 * 30)} tokens in a 4 x 30-token micro-batch, and bounds "
-                f"from {small['loss.clip_cov.lb']:g} covariance std, which "
+                f"{selection_quota(small['loss.clip_cov.ratio'], 4 * 30)} tokens in a 4 x 30-token micro-batch, "
+                f"and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
                 "follow covariances that shrink as training goes on)"
             )
     else:
