@@ -20,6 +20,7 @@ from entropy_openrlhf.algorithms import entropy_control
 from entropy_openrlhf.algorithms.advantages import ESTIMATORS
 from entropy_openrlhf.algorithms.entropy_control import EntropyControlConfig
 from entropy_openrlhf.algorithms.objectives import OBJECTIVES, within_chain
+from entropy_openrlhf.data.arith_task import LEVELS
 from entropy_openrlhf.options import choice_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
 from entropy_openrlhf.presets import PRESETS
@@ -100,6 +101,18 @@ class DataConfig(Section):
     system_prompt: str = _f("", "system message prepended to string prompts")
     max_samples: int = _f(0, "use at most this many training rows (0 = all)")
     shuffle: bool = _f(True, "shuffle the training prompts each epoch (seeded)")
+    builtin_levels: str = _f(
+        "1,2,3", "levels of the built-in task's problems, comma-separated, from 1-4 (level 4 starts near 0 reward)"
+    )
+
+    def checks(self) -> list[str]:
+        levels = self.builtin_levels.split(",")
+        ok = all(s.strip().isdigit() and int(s) in LEVELS for s in levels) and len(set(levels)) == len(levels)
+        return _failed((ok, "data.builtin_levels", f"{self.builtin_levels!r}: give distinct levels from {LEVELS}"))
+
+    def levels(self) -> tuple[int, ...]:
+        """The built-in task's levels as integers (checks() has validated them)."""
+        return tuple(int(s) for s in self.builtin_levels.split(","))
 
 
 @dataclass
@@ -436,6 +449,9 @@ class EvalConfig(Section):
     )
     temperature: float = _f(0.6, "sampling temperature of the eval.n_samples responses (the paper's 0.6)")
     bootstrap: int = _f(1000, "bootstrap resamples of the prompts for the 95% intervals of pass@1 and pass@n")
+    initial: bool = _f(
+        True, "also evaluate the starting weights (version 0); false when the base model is evaluated once apart"
+    )
     output_json: str = _f("", "scripts/evaluate.py: also write every metric to this JSON file")
 
     def checks(self) -> list[str]:

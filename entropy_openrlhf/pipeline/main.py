@@ -56,7 +56,9 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
     train = cfg.data.train
     tests = [p.strip() for p in cfg.data.test.split(",") if p.strip()]
     if not train and (need_train or not tests):
-        train, builtin_test = write_builtin_task(Path(cfg.train.output_dir) / "data", seed=cfg.train.seed)
+        train, builtin_test = write_builtin_task(
+            Path(cfg.train.output_dir) / "data", seed=cfg.train.seed, levels=cfg.data.levels()
+        )
         tests = tests or [str(builtin_test)]
         cfg.data.input_key, cfg.data.label_key = "prompt", "label"
     for path in [train, *tests] if need_train else tests:

@@ -209,6 +209,12 @@ def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:
     return rewards, ids
 
 
+def eval_due(version: int, every: int, initial: bool) -> bool:
+    """Whether weights of `version` are evaluated in training (the final weights always are): every `every`
+    versions, version 0 only with `initial` (the base model is often evaluated once, apart from the runs)."""
+    return every > 0 and version % every == 0 and (version > 0 or initial)
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, train_items: list[PromptItem], test_items: list[PromptItem]):
         self.cfg = cfg
@@ -328,7 +334,7 @@ class Trainer:
         version = self.sync.engine_version
         if final and version != self.latest_version:
             return
-        if not final and version % cfg.eval.every:
+        if not final and not eval_due(version, cfg.eval.every, cfg.eval.initial):
             return
         if any(v == version for v, _ in self.eval_results):
             return

@@ -1,9 +1,12 @@
 import dataclasses
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 
 from entropy_openrlhf.config import Config, ConfigError, build_parser, from_args, validate
+from entropy_openrlhf.pipeline.main import resolve_data
 from entropy_openrlhf.presets import PIPELINES, PRESETS
 
 
@@ -61,6 +64,9 @@ def test_unknown_flag_and_preset_are_named():
         ("algo.advantage", "gae", "--algo.advantage"),
         ("sync.max_chunk_mb", 0.0, "--sync.max_chunk_mb"),
         ("sync.max_chunk_mb", 4096.0, "--sync.max_chunk_mb"),
+        ("data.builtin_levels", "3,5", "--data.builtin_levels"),
+        ("data.builtin_levels", "3,3", "--data.builtin_levels"),
+        ("data.builtin_levels", "", "--data.builtin_levels"),
     ],
 )
 def test_out_of_range_values_name_the_flag(flag, value, needle):
@@ -151,3 +157,13 @@ def test_vllm_engine_flags_parse_and_default_to_auto_or_vllm_s_own():
     r = cfg.rollout
     assert (r.gpu_memory_utilization, r.enforce_eager, r.enable_prefix_caching) == (0.75, "false", False)
     assert (r.max_num_seqs, r.max_num_batched_tokens) == (64, 8192)
+
+
+def test_builtin_levels_reach_the_written_task(tmp_path):
+    cfg = from_args(["--data.builtin_levels", "3,4", "--train.output_dir", str(tmp_path)])
+    validate(cfg)
+    assert cfg.data.levels() == (3, 4)
+    train, (test,) = resolve_data(cfg)
+    for path in (train, test):
+        levels = {json.loads(line)["level"] for line in Path(path).read_text().splitlines()}
+        assert levels == {3, 4}, path

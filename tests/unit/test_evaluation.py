@@ -11,6 +11,7 @@ import pytest
 from entropy_openrlhf.algorithms.metrics import bootstrap_interval, majority_correct, pass_at_k, pass_at_k_ladder
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.evaluation import evaluate
+from entropy_openrlhf.pipeline.trainer import eval_due
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
@@ -198,3 +199,10 @@ def test_bootstrap_interval_covers_the_truth_about_95_percent_of_the_time():
 
 def test_bootstrap_of_constant_values_is_a_point():
     assert bootstrap_interval([[0.5] * 10, [1.0] * 3]) == (0.75, 0.75)
+
+
+@pytest.mark.parametrize("initial", [True, False])
+def test_eval_schedule_every_n_versions_and_version_0_only_when_asked(initial):
+    due = [v for v in range(0, 51) if eval_due(v, 25, initial)]
+    assert due == ([0, 25, 50] if initial else [25, 50])
+    assert not any(eval_due(v, 0, initial) for v in range(5))  # every 0: evaluation off
