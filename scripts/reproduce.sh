@@ -51,6 +51,18 @@ STUDY=(--eval.n_samples 16 --eval.every 13 --train.save_every 5 --train.keep_che
 # bounds in covariance std, ratio 0.05. clip_cov_wide is today's --preset clip-cov-small.
 declare -A STUDY_EXTRA=([clip_cov]="--loss.clip_cov.bounds_unit std --loss.clip_cov.ratio 0.05")
 
+# The exploration experiment (docs/results.md, "The exploration experiment"), fixed in advance: GRPO and KL-Cov on
+# levels 3 and 4 of the built-in task, 4 prompts x 8 samples, 50 steps, every run evaluated on one shared held-out
+# set (96 prompts, docs/runs/explore_base/heldout.jsonl) with 64 samples per prompt at T = 1.0 at step 25 and on the
+# final weights; the base model is evaluated once on the same set (docs/runs/explore_base/metrics.json).
+#   METHODS="explore_grpo explore_kl_cov" bash scripts/reproduce.sh --seeds 7
+EXPLORE_HELDOUT=docs/runs/explore_base/heldout.jsonl
+EXPLORE_EVAL=(--data.test "$EXPLORE_HELDOUT" --eval.max_samples 0 --eval.n_samples 64 --eval.temperature 1.0)
+EXPLORE=(--data.builtin_levels 3,4 --rollout.n_samples_per_prompt 8 --train.num_steps 50 "${EXPLORE_EVAL[@]}"
+    --eval.every 25 --eval.initial false)
+STUDY_EXTRA[explore_grpo]="${EXPLORE[*]}"
+STUDY_EXTRA[explore_kl_cov]="${EXPLORE[*]}"
+
 # Runs that are not a pipeline of their own: the pipeline they run and their own flags.
 # kl_cov_target: KL-Cov whose coefficient the entropy controller moves to keep entropy/seq_mean in [0.5, 0.8], about
 # where every method starts on this task (0.68 at step 0) and where the fixed-ratio KL-Cov run swung through.
@@ -73,7 +85,7 @@ CTL_BAND=0.5,0.8
 # minus GRPO mixes the penalty with the clip KL-Cov drops; kl_cov_clip minus GRPO is the penalty alone.
 declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov [grpo_band]=grpo
     [kl_cov_clip]=kl_cov [kl_cov_band_b05]=kl_cov [clip_cov_wide]=clip_cov [clip_cov_global]=clip_cov
-    [clip_cov_all]=clip_cov [clip_cov_r03]=clip_cov)
+    [clip_cov_all]=clip_cov [clip_cov_r03]=clip_cov [explore_grpo]=grpo [explore_kl_cov]=kl_cov)
 declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
     [kl_cov_band]="--entropy.target $CTL_BAND" [grpo_band]="--entropy.target $CTL_BAND"
@@ -139,6 +151,21 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
 }
 
 if [[ -z "${REPRO_DRY_RUN:-}" ]]; then mkdir -p "$OUT"; fi
+explore_base() {  # the base model on the exploration's held-out set, once: what every exploration run starts from
+    local out=docs/runs/explore_base/metrics.json
+    local cmd=(.venv/bin/python scripts/evaluate.py --data.test "$EXPLORE_HELDOUT" --eval.max_samples 0
+        --eval.n_samples 64 --eval.temperature 1.0 --train.seed 1 --train.output_dir "$OUT/explore_base"
+        --eval.output_json "$out")
+    if [[ -n "${REPRO_DRY_RUN:-}" ]]; then
+        echo "== explore_base: ${cmd[*]}"
+    elif [[ -f $out && -z "${REPRO_FORCE:-}" ]]; then
+        echo "== explore_base: its metrics are in $out, skipped"
+    else
+        echo "== explore_base: $(date -u +%H:%M:%S)"
+        "${cmd[@]}" 2>&1 | tee "$OUT/explore_base.log" | tail -n 20
+    fi
+}
+if [[ " $METHODS " == *" explore_"* ]]; then explore_base; fi
 if (( SEEDS > 0 )); then
     for seed in $(seq "$FIRST_SEED" "$SEEDS"); do  # every method's seed 1 first: a partial study still compares them all
         for method in $METHODS; do
@@ -158,7 +185,8 @@ if (( SEEDS > 0 )); then
     specs=()
     arms=("${STUDY_ORDER[@]}")
     for method in $(printf '%s\n' "${!PIPELINE[@]}" | sort); do
-        if [[ " ${arms[*]} " != *" $method "* ]]; then arms+=("$method"); fi
+        # the exploration runs are another task (levels 3-4, 50 steps): tabulated apart, not beside the study's
+        if [[ " ${arms[*]} " != *" $method "* && $method != explore_* ]]; then arms+=("$method"); fi
     done
     for method in "${arms[@]}"; do
         for dir in "$PLOTS"/runs/"${method}"_seed*/; do

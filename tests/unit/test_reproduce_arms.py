@@ -4,15 +4,18 @@ A misspelled flag in an arm would otherwise surface only when its run starts, po
 dry run (REPRO_DRY_RUN=1) prints each run's command; each is parsed and validated here as the pipeline would.
 """
 
+import json
 import os
 import re
 import subprocess
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from entropy_openrlhf.config import Config, from_args, validate
+from entropy_openrlhf.data.arith_task import generate
 from entropy_openrlhf.presets import PIPELINES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +51,9 @@ def dry_run(tmp_path: Path, methods: list[str], *args: str) -> dict[str, list[st
     for line in done.stdout.splitlines():
         run, _, command = line.removeprefix("== ").partition(": ")
         commands[run] = command.split()
-    assert len(commands) == len(methods), done.stdout
+    # the exploration's arms first evaluate the base model once (explore_base), then run their seeds
+    base = any(m.startswith("explore_") for m in methods)
+    assert len(commands) == len(methods) + base, done.stdout
     return commands
 
 
@@ -67,11 +72,14 @@ def accepted(argv: list[str]) -> Config:
 def test_every_study_arm_is_a_config_the_pipeline_accepts(tmp_path):
     arms = sorted(declared_arms() | {"grpo", "clip_cov", "kl_cov", "clip_higher"})
     commands = dry_run(tmp_path, arms, "--seeds", "2-2")
-    assert set(commands) == {f"{arm}_seed2" for arm in arms}
+    assert set(commands) == {f"{arm}_seed2" for arm in arms} | {"explore_base"}
     for run, argv in commands.items():
+        if run == "explore_base":
+            continue  # scripts/evaluate.py, not a pipeline: test_the_exploration_arms_are_as_fixed_in_advance
         cfg = accepted(argv)
         assert cfg.train.seed == 2, run  # the study's seed comes after COMMON's seed 1
-        assert cfg.eval.n_samples == 16 and cfg.train.num_steps == 25, run
+        if not run.startswith("explore_"):
+            assert cfg.eval.n_samples == 16 and cfg.train.num_steps == 25, run
 
 
 def test_single_seed_runs_take_the_callers_flags(tmp_path):
@@ -137,3 +145,34 @@ def test_the_study_table_lists_every_committed_arm_the_baseline_first(tmp_path):
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "seeds" not in line]
     arms = [row for row in dict.fromkeys(rows) if row in {"grpo", "clip_cov_wide", "kl_cov_target"}]
     assert arms == ["grpo", "clip_cov_wide", "kl_cov_target"], table
+
+
+def test_the_exploration_arms_are_as_fixed_in_advance(tmp_path):
+    # docs/results.md, "The exploration experiment": fixed before its first run
+    commands = dry_run(tmp_path, ["explore_grpo", "explore_kl_cov"], "--seeds", "3-3")
+    heldout = "docs/runs/explore_base/heldout.jsonl"
+    for arm, loss_type in [("explore_grpo", "ppo"), ("explore_kl_cov", "kl_cov")]:
+        cfg = accepted(commands[f"{arm}_seed3"])
+        assert cfg.loss.type == loss_type and cfg.train.seed == 3
+        assert cfg.data.levels() == (3, 4) and cfg.data.test == heldout
+        assert (cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.num_steps) == (4, 8, 50)
+        assert (cfg.train.mini_batches, cfg.async_.max_staleness) == (4, 1)  # the study's
+        assert (cfg.eval.n_samples, cfg.eval.temperature, cfg.eval.max_samples) == (64, 1.0, 0)
+        assert (cfg.eval.every, cfg.eval.initial) == (25, False)
+    base = commands["explore_base"]
+    assert base[1] == "scripts/evaluate.py"
+    flags = dict(zip(base[2::2], base[3::2]))
+    assert flags["--data.test"] == heldout and flags["--eval.n_samples"] == "64"
+    assert flags["--eval.temperature"] == "1.0" and flags["--eval.max_samples"] == "0"
+
+
+def test_the_exploration_heldout_set_is_the_generators_and_never_trained_on():
+    # one fixed set for every run: 48 test-split problems of level 3 and 48 of level 4, disjoint from any train split
+    rows = [json.loads(line) for line in (ROOT / "docs/runs/explore_base/heldout.jsonl").read_text().splitlines()]
+    assert rows == generate(96, split="test", seed=0, levels=(3, 4))
+    assert Counter(r["level"] for r in rows) == {3: 48, 4: 48}
+    questions = {r["prompt"][-1]["content"] for r in rows}
+    assert len(questions) == 96
+    for seed in range(1, 8):
+        train = generate(2000, split="train", seed=seed, levels=(3, 4))
+        assert not questions & {r["prompt"][-1]["content"] for r in train}
