@@ -36,12 +36,10 @@ from entropy_openrlhf.actors.reward import RewardGroup
 from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
-from entropy_openrlhf.algorithms.loss_terms import selection_quota
 from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.cluster import NODE_VERDICT_S, LostNode, NodeWatch, wait_dead, wait_started
 from entropy_openrlhf.config import Config, ConfigError
 from entropy_openrlhf.pipeline.evaluation import evaluate
-from entropy_openrlhf.presets import PRESETS
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
 
@@ -116,54 +114,23 @@ class PromptStream:
         return out
 
 
-STARVED_STEPS = 3  # consecutive steps in which a covariance selection barely acts before the run says so
+STARVED_STEPS = 3  # consecutive steps in which a covariance selection sits at its floor before the run says so
 
 
-def starvation_note(cfg: Config, metrics: dict[str, float]) -> str:
-    """What the run prints once when, for STARVED_STEPS steps in a row, every micro-batch of a covariance objective
-    selected nothing or only its one-token floor: the numbers, and the flags that give it room to act."""
-    name = cfg.loss.type
-    params = getattr(cfg.loss, name)
-    tokens = metrics.get("loss/select_tokens", 0.0)
-    text = (
-        f"[entropy-openrlhf] {name} barely acts: for {STARVED_STEPS} steps every micro-batch selected nothing or "
-        f"only its floor of one token (quota max(1, floor({params.ratio:g} x ~{tokens:.0f} tokens)); selected "
-        f"{metrics.get(f'loss/{name}_frac', 0.0):.2%} of tokens; cov p99 {metrics.get('cov/p99', 0.0):.3g}"
-    )
+def starvation_note(cfg: Config, metrics: dict[str, float]) -> str | None:
+    """What the run prints once when, for STARVED_STEPS steps in a row, every micro-batch of the objective selected
+    nothing or only its one-token floor (`metrics`: the last such step's). Steps without any signal are named as
+    such, whatever the objective; otherwise the objective says what is true of its own floor (its `run_note`)."""
     if metrics.get("cov/max", 0.0) == 0.0 and metrics.get("cov/p99", 0.0) == 0.0:
         # every advantage was 0: each group's samples scored alike (all wrong, say), which no objective setting
-        # changes; the flags below would not have helped these steps
-        return text + (
-            "). Every token's covariance was 0 in the last of them: all advantages were 0, each group's samples "
-            "scoring alike, so there was nothing to select and no gradient for any objective. Easier prompts or "
-            "more samples per prompt (--rollout.n_samples_per_prompt) give groups that differ."
+        # changes, so no objective's advice would help these steps
+        return (
+            f"[entropy-openrlhf] {cfg.loss.type} selected nothing for {STARVED_STEPS} steps: every token's "
+            "covariance was 0 in the last of them: all advantages were 0, each group's samples scoring alike, so "
+            "there was nothing to select and no gradient for any objective. Easier prompts or more samples per "
+            "prompt (--rollout.n_samples_per_prompt) give groups that differ."
         )
-    if name == "clip_cov":
-        in_bounds = metrics.get("loss/clip_cov_in_bounds", 0.0)
-        unit = (
-            ""
-            if params.bounds_unit == "abs"
-            else f" x the covariance std (lower bound ~{metrics.get('loss/clip_cov_lb', 0.0):.3g})"
-        )
-        text += f" against bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). "
-        small = PRESETS["clip-cov-small"]
-        at_least_as_wide = (
-            params.bounds_unit == small["loss.clip_cov.bounds_unit"]
-            and params.ratio >= small["loss.clip_cov.ratio"]
-            and params.lb <= small["loss.clip_cov.lb"]
-        )
-        if at_least_as_wide:
-            text += "Widen the bounds (--loss.clip_cov.lb, --loss.clip_cov.ub), raise --loss.clip_cov.ratio"
-        else:
-            text += (
-                f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, a quota of "
-                f"{selection_quota(small['loss.clip_cov.ratio'], 4 * 30)} tokens in a 4 x 30-token micro-batch, "
-                f"and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
-                "follow covariances that shrink as training goes on)"
-            )
-    else:
-        text += f"). Raise --loss.{name}.ratio to at least 1/{tokens:.0f}"
-    return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."
+    return get_objective(cfg.loss.type).run_note(getattr(cfg.loss, cfg.loss.type), metrics)
 
 
 class NodeLostError(RuntimeError):
@@ -463,7 +430,9 @@ class Trainer:
                 self.eval_results.clear()
                 starved_run = starved_run + 1 if train_metrics.get("loss/select_starved") == 1.0 else 0
                 if starved_run == STARVED_STEPS and not self.starvation_said:  # once per run: a hint, not a log line
-                    print(starvation_note(cfg, train_metrics), flush=True)
+                    note = starvation_note(cfg, train_metrics)
+                    if note:
+                        print(note, flush=True)
                     self.starvation_said = True
                 if train_metrics.get("train/skipped_steps", 0) > 0:
                     nonfinite_run += 1

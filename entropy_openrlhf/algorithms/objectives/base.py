@@ -85,6 +85,9 @@ class Objective:
     # validate(params, cfg) -> error strings "--loss.<name>.<field>: why"; notes(params, cfg) -> warnings
     validate: Callable[[Any, Any], list[str]] = lambda params, cfg: []
     notes: Callable[[Any, Any], list[str]] = lambda params, cfg: []
+    # run_note(params, metrics) -> what the run prints once when the objective's selection has sat at its one-token
+    # floor for several steps in a row (`loss/select_starved`; metrics: the last such step's), or None to stay quiet
+    run_note: Callable[[Any, dict[str, float]], str | None] = lambda params, metrics: None
 
     def knob(self, name: str = "") -> Knob:
         if not self.knobs:
@@ -120,6 +123,7 @@ def register_objective(
     summary: str = "",
     validate: Callable[[Any, Any], list[str]] | None = None,
     notes: Callable[[Any, Any], list[str]] | None = None,
+    run_note: Callable[[Any, dict[str, float]], str | None] | None = None,
 ) -> Callable[[LossFn], LossFn]:
     """Decorator over an objective's loss function: registers it under `name` with its config and selector."""
     if not dataclasses.is_dataclass(config):
@@ -133,7 +137,8 @@ def register_objective(
         def checked(params: Any, cfg: Any) -> list[str]:  # the choices its options declare, then its own rules
             return choice_errors(params, f"loss.{name}") + own(params, cfg)
 
-        checks = {"validate": checked, **({"notes": notes} if notes is not None else {})}
+        hooks = {"notes": notes, "run_note": run_note}
+        checks = {"validate": checked, **{k: f for k, f in hooks.items() if f is not None}}
         OBJECTIVES[name] = Objective(name, config, loss, select, needs_entropy, knobs, summary, **checks)
         return loss
 

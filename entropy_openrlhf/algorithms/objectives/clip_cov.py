@@ -24,6 +24,7 @@ from entropy_openrlhf.algorithms.loss_terms import (
 )
 from entropy_openrlhf.algorithms.objectives.base import Knob, LossContext, TokenBatch, register_objective
 from entropy_openrlhf.options import option
+from entropy_openrlhf.presets import PRESETS
 
 BOUNDS_UNITS = ("abs", "std")
 
@@ -179,9 +180,41 @@ def notes(params: ClipCovConfig, cfg) -> list[str]:
     return []
 
 
+def run_note(params: ClipCovConfig, metrics: dict[str, float]) -> str:
+    """Clip-Cov at its floor detaches at most one token per micro-batch, often none: the method barely acts. Says
+    so with the numbers, and points to the setting that gives it room (the small-scale preset), or, when the run
+    already has that much room, to the bounds and the ratio."""
+    tokens = metrics.get("loss/select_tokens", 0.0)
+    in_bounds = metrics.get("loss/clip_cov_in_bounds", 0.0)
+    lb = metrics.get("loss/clip_cov_lb", 0.0)
+    unit = "" if params.bounds_unit == "abs" else f" x the covariance std (lower bound ~{lb:.3g})"
+    text = (
+        f"[entropy-openrlhf] clip_cov barely acts: for several steps every micro-batch selected nothing or only its "
+        f"floor of one token (quota max(1, floor({params.ratio:g} x ~{tokens:.0f} tokens)); selected "
+        f"{metrics.get('loss/clip_cov_frac', 0.0):.2%} of tokens; cov p99 {metrics.get('cov/p99', 0.0):.3g} against "
+        f"bounds ({params.lb:g}, {params.ub:g}){unit}, {in_bounds:.1%} of tokens inside them). "
+    )
+    small = PRESETS["clip-cov-small"]
+    at_least_as_wide = (
+        params.bounds_unit == small["loss.clip_cov.bounds_unit"]
+        and params.ratio >= small["loss.clip_cov.ratio"]
+        and params.lb <= small["loss.clip_cov.lb"]
+    )
+    if at_least_as_wide:
+        text += "Widen the bounds (--loss.clip_cov.lb, --loss.clip_cov.ub), raise --loss.clip_cov.ratio"
+    else:
+        text += (
+            f"Use --preset clip-cov-small (ratio {small['loss.clip_cov.ratio']:g}, a quota of "
+            f"{selection_quota(small['loss.clip_cov.ratio'], 4 * 30)} tokens in a 4 x 30-token micro-batch, "
+            f"and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
+            "follow covariances that shrink as training goes on)"
+        )
+    return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."
+
+
 @register_objective(
     "clip_cov", ClipCovConfig, select=select, knobs=(Knob("ratio", cap=1.0),), validate=validate, notes=notes,
-    summary="Clip-Cov: PPO with the gradient of random high-covariance tokens stopped",
+    run_note=run_note, summary="Clip-Cov: PPO with the gradient of random high-covariance tokens stopped",
 )  # fmt: skip
 def clip_cov(batch: TokenBatch, params: ClipCovConfig, ctx: LossContext) -> LossOutput:
     return clip_cov_loss(

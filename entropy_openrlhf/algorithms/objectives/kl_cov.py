@@ -156,9 +156,24 @@ def notes(params: KLCovConfig, cfg) -> list[str]:
     return []
 
 
+def run_note(params: KLCovConfig, metrics: dict[str, float]) -> str:
+    """KL-Cov at its floor is not starved: the one token a micro-batch always gets is more than the ratio asks for
+    (1.25% of ~80 tokens against 0.2%). Says what is true: the ratio does not set the selection at this size."""
+    tokens = metrics.get("loss/select_tokens", 0.0)
+    return (
+        f"[entropy-openrlhf] kl_cov selects by its floor, not its ratio: for several steps every micro-batch's "
+        f"quota max(1, floor({params.ratio:g} x ~{tokens:.0f} tokens)) was one token, so the penalty acted on "
+        f"{metrics.get('loss/kl_cov_frac', 0.0):.2%} of tokens, more than the {params.ratio:.2%} the ratio asks for "
+        f"(cov p99 {metrics.get('cov/p99', 0.0):.3g}). The ratio sets the selection from about "
+        f"{1 / params.ratio:.0f} tokens per selection: larger micro-batches (--actor.micro_batch_size) or one "
+        "selection over the mini-batch (--loss.scope global); docs/losses.md, 'At small scale'."
+    )
+
+
 @register_objective(
     "kl_cov", KLCovConfig, select=select, knobs=(Knob("coef"), Knob("ratio", cap=1.0)), validate=validate,
-    notes=notes, summary="KL-Cov: policy gradient plus an L1 pull to the old policy on top-covariance tokens",
+    notes=notes, run_note=run_note,
+    summary="KL-Cov: policy gradient plus an L1 pull to the old policy on top-covariance tokens",
 )  # fmt: skip
 def kl_cov(batch: TokenBatch, params: KLCovConfig, ctx: LossContext) -> LossOutput:
     return kl_cov_loss(
