@@ -148,7 +148,7 @@ def resume_command(pipeline: str, argv: list[str]) -> str:
 
 def resume_note(cfg: Config, pipeline: str, argv: list[str]) -> str:
     """Where a resume continues from, and the command."""
-    from entropy_openrlhf.pipeline.trainer import latest_checkpoint  # after-flags imports (module docstring)
+    from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint  # after-flags imports (module docstring)
 
     ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
     if ckpt is None:
@@ -183,8 +183,10 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
     import ray
 
     from entropy_openrlhf.cluster import init_ray, joins_cluster
+    from entropy_openrlhf.pipeline.checkpoints import resume_point
+    from entropy_openrlhf.pipeline.faults import NodeLostError
     from entropy_openrlhf.pipeline.tracking import Tracker
-    from entropy_openrlhf.pipeline.trainer import NodeLostError, Trainer, resume_point, summarize
+    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
     from entropy_openrlhf.preflight import check_nodes, cluster_snapshot, fit_cluster
 
     if not cfg.logger.run_name:

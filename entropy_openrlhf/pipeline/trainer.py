@@ -12,19 +12,11 @@ run under the sync's `engine_lock`, so that weights never change under a generat
 
 from __future__ import annotations
 
-import _thread
-import json
 import math
-import os
 import queue
-import random
-import re
-import shutil
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 import torch
@@ -37,82 +29,15 @@ from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.algorithms.objectives import get_objective
-from entropy_openrlhf.cluster import NODE_VERDICT_S, LostNode, NodeWatch, wait_dead, wait_started
-from entropy_openrlhf.config import Config, ConfigError
+from entropy_openrlhf.cluster import NodeWatch
+from entropy_openrlhf.config import Config
+from entropy_openrlhf.pipeline.batches import Batch, PromptStream, group_rewards
+from entropy_openrlhf.pipeline.checkpoints import Checkpointing
 from entropy_openrlhf.pipeline.evaluation import evaluate
+from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
+from entropy_openrlhf.pipeline.placement import actor_node_ids, addresses_by_group
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
-
-
-def actor_node_ids(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:
-    """The Ray node id of each actor, by group, in the order given."""
-    # Asked through Ray's generic actor call, so no actor class needs a method for it. A lambda travels by value:
-    # a function of this module would make every actor import the trainer (and torch, in the verifier workers).
-    refs = {name: [a.__ray_call__.remote(lambda _actor: ray.get_runtime_context().get_node_id()) for a in actors]
-            for name, actors in groups.items()}  # fmt: skip
-    ids = wait_started([r for rs in refs.values() for r in rs], "the actors' node ids", timeout_s)
-    out, i = {}, 0
-    for name, rs in refs.items():
-        out[name], i = ids[i : i + len(rs)], i + len(rs)
-    return out
-
-
-def actor_node_addresses(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:
-    """The address of the node each actor runs on, by group, in the order given.
-
-    Each actor reports its Ray node id, and the address is the one that node registered with Ray (NodeManagerAddress
-    in `ray.nodes()`): the fact Ray schedules by. The process's own guess of its IP (`get_node_ip_address`) can name
-    another interface, such as the host's LAN address on a Ray started on 127.0.0.1."""
-    return addresses_by_group(actor_node_ids(groups, timeout_s))
-
-
-def addresses_by_group(ids: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Each group's Ray node ids as the addresses those nodes registered (`node_addresses`)."""
-    nodes = ray.nodes()
-    return {name: node_addresses(node_ids, nodes) for name, node_ids in ids.items()}
-
-
-def node_addresses(node_ids: list[str], nodes: list[dict]) -> list[str]:
-    """Each Ray node id's registered address, from `ray.nodes()`'s records (NodeID -> NodeManagerAddress)."""
-    by_id = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
-    unknown = [i for i in node_ids if i not in by_id]
-    if unknown:
-        raise RuntimeError(f"Ray node {unknown[0]} is not among the cluster's {len(by_id)} node(s) (ray.nodes())")
-    return [by_id[i] for i in node_ids]
-
-
-@dataclass
-class Batch:
-    step: int
-    groups: list[list[Sample]]  # one list of n responses per prompt
-    metrics: dict[str, float]
-    stream_after: tuple[int, int] = (0, 0)  # prompt-stream position after this batch: where a resume continues
-
-
-class PromptStream:
-    """Endless seeded pass over the training prompts, one epoch after another; `position` resumes it."""
-
-    def __init__(self, items: list[PromptItem], batch_size: int, seed: int, shuffle: bool):
-        self.items, self.batch_size, self.seed, self.shuffle = items, batch_size, seed, shuffle
-        self.epoch, self.offset = 0, 0
-        self._order = self._make_order()
-
-    def _make_order(self) -> list[int]:
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(order)
-        return order
-
-    def next_batch(self) -> list[PromptItem]:
-        out = []
-        while len(out) < self.batch_size:
-            if self.offset >= len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self.items[self._order[self.offset]])
-            self.offset += 1
-        return out
-
 
 STARVED_STEPS = 3  # consecutive steps in which a covariance selection sits at its floor before the run says so
 
@@ -133,56 +58,16 @@ def starvation_note(cfg: Config, metrics: dict[str, float]) -> str | None:
     return get_objective(cfg.loss.type).run_note(getattr(cfg.loss, cfg.loss.type), metrics)
 
 
-class NodeLostError(RuntimeError):
-    """A node that held actors of the run was lost (Ray declared it dead); the run cannot go on without them."""
-
-    def __init__(self, lost: list[LostNode], step: int, seconds_after: float | None):
-        self.lost, self.step = lost, step
-        after = "" if seconds_after is None else f"; the run stopped {seconds_after:.0f} s after Ray declared it dead"
-        nodes = " and ".join(n.describe() for n in lost)
-        super().__init__(f"lost {nodes}, during step {step}{after}")
-
-
-# Errors a call to an actor on a lost node fails with before Ray declares the node dead: unreachable
-# (ActorUnavailableError, a RayActorError) or died. A wait that runs out is no such sign: a lost node fails the calls
-# to its actors at once, and a wait on the surviving nodes outlasts Ray's verdict, which the node watch has by then.
-NODE_LOSS_SYMPTOMS = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.WorkerCrashedError,
-    ray.exceptions.NodeDiedError,
-    ray.exceptions.ObjectLostError,
-)
-# How long the trainer thread may go on after the node watch has seen a lost node before it is interrupted. Its
-# calls to the lost node's actors fail as soon as Ray declares the node dead; a wait that involves only surviving
-# nodes (a collective the lost peer never joins, which ends at its own timeout) would hold it longer.
-LOST_NODE_GRACE_S = 30.0
-
-
-def _causes(e: BaseException | None):
-    """`e` and the exceptions it was raised from, or while handling."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:
-    rewards, ids = [], []
-    for g, group in enumerate(groups):
-        for s in group:
-            rewards.append(float(s.reward))
-            ids.append(g)
-    return rewards, ids
-
-
 def eval_due(version: int, every: int, initial: bool) -> bool:
     """Whether weights of `version` are evaluated in training (the final weights always are): every `every`
     versions, version 0 only with `initial` (the base model is often evaluated once, apart from the runs)."""
     return every > 0 and version % every == 0 and (version > 0 or initial)
 
 
-class Trainer:
+class Trainer(Checkpointing, NodeLossHandling):
+    """The driver of one run (module docstring); saving and resuming live in checkpoints.py, the reactions to a
+    lost node in faults.py."""
+
     def __init__(self, cfg: Config, model_path: str, train_items: list[PromptItem], test_items: list[PromptItem]):
         self.cfg = cfg
         self.model_path = model_path
@@ -475,179 +360,6 @@ class Trainer:
             # thread and its calls fail once the groups are shut down, so the driver does not wait it out
             producer.join(timeout=60 if ended else 5)
         return history
-
-    def _on_node_lost(self, lost: list[LostNode]) -> None:
-        """The node watch's callback (its own thread): stop producing, wake the trainer thread if it waits for a
-        batch, and interrupt it if it is still in the step loop LOST_NODE_GRACE_S later."""
-        print(f"[entropy-openrlhf] Ray declared lost: {' and '.join(n.describe() for n in lost)}", flush=True)
-        self.stop.set()
-        with self.cond:
-            self.cond.notify_all()
-        try:
-            self.queue.put_nowait(RuntimeError("a node holding actors of this run was lost"))
-        except queue.Full:  # a batch is waiting: the trainer is not blocked on the queue
-            pass
-
-        def interrupt() -> None:
-            if self._in_loop and self._on_main_thread:
-                print(f"[entropy-openrlhf] the trainer is still waiting {LOST_NODE_GRACE_S:.0f} s after the node was "
-                      "lost: interrupting it", flush=True)  # fmt: skip
-                _thread.interrupt_main()  # a KeyboardInterrupt, which run() turns into NodeLostError
-
-        timer = threading.Timer(LOST_NODE_GRACE_S, interrupt)
-        timer.daemon = True
-        timer.start()
-
-    def _lost_nodes_behind(self, error: BaseException, watch: NodeWatch | None) -> list[LostNode]:
-        """The lost nodes that explain `error`: those the watch has seen, or, when the error is what a call to an
-        actor on a lost node fails with (unreachable, died), those Ray declares dead within NODE_VERDICT_S. Empty when
-        no node holding actors of the run was lost (the error is the run's own)."""
-        if watch is None:
-            return []
-        try:
-            if watch.check():
-                return watch.lost
-            if isinstance(error, KeyboardInterrupt):  # Ctrl-C, not the watch's interrupt
-                return []
-            symptom = next((c for c in _causes(error) if isinstance(c, NODE_LOSS_SYMPTOMS)), None)
-            if symptom is None:
-                return []
-            first_line = (str(symptom).splitlines() or [""])[0][:200]
-            print(f"[entropy-openrlhf] {type(symptom).__name__}: {first_line}; waiting up to {NODE_VERDICT_S:.0f} s "
-                  "for Ray's verdict on the nodes of this run's actors", flush=True)  # fmt: skip
-            return watch.verdict(NODE_VERDICT_S)
-        except Exception as e:  # noqa: BLE001 - the run's own error matters more than why the check failed
-            print(f"[entropy-openrlhf] could not check the cluster's nodes: {e}", flush=True)
-            return []
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save(self, version: int, stream_after: tuple[int, int]) -> Path:
-        """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export and the
-        trainer state (step, prompt-stream position, the entropy controller). It is written as .tmp-step<N> and
-        renamed when complete, so a run killed mid-save leaves only a temporary folder, which resume ignores."""
-        root = Path(self.cfg.train.output_dir) / "checkpoints"
-        final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.unfinished_save = tmp  # until the rename: a run stopped meanwhile removes it (discard_unfinished_save)
-        self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
-        self.policy.save_hf(str(tmp / "hf"))  # a complete HF folder: weights, config, tokenizer
-        state = {
-            "step": version,
-            "stream_epoch": stream_after[0],
-            "stream_offset": stream_after[1],
-            "seed": self.cfg.train.seed,
-            "train_prompts": len(self.train_items),
-            "entropy_ctl": self.entropy_ctl.state_dict(),
-        }
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        self.unfinished_save = None
-        shutil.rmtree(old, ignore_errors=True)
-        rotate_checkpoints(root, self.cfg.train.keep_checkpoints)
-        return final
-
-    def discard_unfinished_save(self, timeout_s: float = 30.0) -> Path | None:
-        """After the groups are shut down: remove the folder of a save the run stopped in (SIGTERM, a lost node,
-        an error), so no half-written checkpoint is left. The policy ranks may still be writing into it when the
-        driver stops, so it first waits (at most `timeout_s`) until they are gone. Returns the folder removed."""
-        tmp = getattr(self, "unfinished_save", None)
-        if tmp is None or not tmp.exists():
-            return None
-        left = wait_dead(self.policy.actors, timeout_s) if getattr(self, "policy", None) is not None else 0
-        if left:
-            print(f"[entropy-openrlhf] {left} policy rank(s) still answer {timeout_s:.0f} s after the kill; removing "
-                  f"{tmp} anyway", flush=True)  # fmt: skip
-        # renamed first (one atomic step), then deleted, as rotate_checkpoints does
-        doomed = tmp.with_name(".del-" + tmp.name.removeprefix(".tmp-"))
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(tmp, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-        self.unfinished_save = None
-        return tmp
-
-    def resume(self) -> int:
-        """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, and the
-        prompt-stream position. Returns the step to continue from (0 when there is none). Every other random draw
-        (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
-        the resumed steps repeat what the lost ones did."""
-        root = Path(self.cfg.train.output_dir) / "checkpoints"
-        found = resume_point(self.cfg, len(self.train_items))
-        if found is None:
-            print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
-            return 0
-        ckpt, state = found
-        self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
-        self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
-        self.stream._order = self.stream._make_order()
-        if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed
-            self.entropy_ctl.load_state_dict(state["entropy_ctl"])
-        step = int(state["step"])
-        self.sync.publish(step)  # the engines start from the initial model: the checkpoint's weights, before batch 0
-        print(f"[entropy-openrlhf] resumed from {ckpt} at step {step}", flush=True)
-        return step
-
-
-CHECKPOINT_NAME = re.compile(r"step(\d+)")
-
-
-def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
-    """The newest complete checkpoint under output_dir and its trainer state, or None when there is none. Raises
-    ConfigError when it was written with another seed or prompt count: its prompt-stream position would point
-    elsewhere. The driver calls it before any actor starts, and `Trainer.resume` again when it loads."""
-    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
-    if ckpt is None:
-        return None
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    for key, flag, now in (
-        ("seed", "--train.seed", cfg.train.seed),
-        ("train_prompts", "--data.train / --data.max_samples (prompt count)", train_prompts),
-    ):
-        if key in state and state[key] != now:
-            raise ConfigError(
-                f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
-                "its prompt-stream position would not match"
-            )
-    return ckpt, state
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step. Only step<N> folders holding trainer_state.json count:
-    .tmp-step<N> (a save cut short) and .old-step<N> (a copy being replaced) never do."""
-    if not root.is_dir():
-        return None
-    done = []
-    for path in root.iterdir():
-        match = CHECKPOINT_NAME.fullmatch(path.name)
-        if match and (path / "trainer_state.json").is_file():
-            done.append((int(match.group(1)), path))
-    return max(done)[1] if done else None
-
-
-def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest complete checkpoints (0 = keep all); return what was deleted. Each is first
-    renamed to .del-step<N> (one atomic step, after which resume no longer sees it) and then removed, so a run
-    killed in the middle leaves a folder resume ignores, never a half-deleted checkpoint it would pick."""
-    for leftover in root.glob(".del-step*"):  # from a run killed while deleting
-        shutil.rmtree(leftover, ignore_errors=True)
-    if keep <= 0 or not root.is_dir():
-        return []
-    done = sorted(
-        (int(m.group(1)), path)
-        for path in root.iterdir()
-        if (m := CHECKPOINT_NAME.fullmatch(path.name)) and (path / "trainer_state.json").is_file()
-    )
-    deleted = []
-    for _, path in done[:-keep]:
-        doomed = root / f".del-{path.name}"
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-        deleted.append(path)
-    return deleted
 
 
 def summarize(history: list[dict[str, float]], startup_s: float) -> str:

@@ -14,7 +14,7 @@ def test_actors_are_reported_on_the_node_s_own_address(ray_cluster):
     process does when its guess follows the default route (the host's LAN address, an interface the node is not on)."""
     import ray
 
-    from entropy_openrlhf.pipeline.trainer import actor_node_addresses
+    from entropy_openrlhf.pipeline.placement import actor_node_addresses
 
     @ray.remote(num_cpus=0)
     class Plain:
@@ -35,7 +35,8 @@ def test_actors_are_reported_on_the_node_s_own_address(ray_cluster):
         where = actor_node_addresses({"rollout": actors[:1], "reward": actors[1:]}, timeout_s=120)
         assert where == {"rollout": ["127.0.0.1"], "reward": ["127.0.0.1"]}
         # asking did not make the actor import the trainer (a verifier worker would load torch with it)
-        assert not ray.get(actors[1].loaded.remote("entropy_openrlhf.pipeline.trainer"), timeout=60)
+        for module in ("entropy_openrlhf.pipeline.trainer", "entropy_openrlhf.pipeline.placement"):
+            assert not ray.get(actors[1].loaded.remote(module), timeout=60), module
     finally:
         for a in actors:
             ray.kill(a)

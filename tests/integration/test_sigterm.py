@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from entropy_openrlhf.pipeline.trainer import latest_checkpoint
+from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint
 from tests.integration.test_resume import ROOT, end_job, job_log, logged, start_job, wait_gone
 
 pytestmark = pytest.mark.integration

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from entropy_openrlhf.pipeline.trainer import latest_checkpoint
+from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint
 
 
 def make(root: Path, name: str, complete: bool = True) -> Path:
@@ -40,7 +40,7 @@ def test_nothing_to_resume(tmp_path):
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
-    from entropy_openrlhf.pipeline.trainer import rotate_checkpoints
+    from entropy_openrlhf.pipeline.checkpoints import rotate_checkpoints
 
     for step in (2, 4, 10, 6):
         make(tmp_path, f"step{step}")
@@ -54,7 +54,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
 
 
 def test_rotation_off_keeps_everything(tmp_path):
-    from entropy_openrlhf.pipeline.trainer import rotate_checkpoints
+    from entropy_openrlhf.pipeline.checkpoints import rotate_checkpoints
 
     for step in (2, 4, 6):
         make(tmp_path, f"step{step}")

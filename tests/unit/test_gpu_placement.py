@@ -131,7 +131,7 @@ def test_a_noset_engine_sets_its_devices_before_cuda_or_vllm_start(monkeypatch):
 
 
 def test_an_actor_s_address_is_its_node_s_registered_one():
-    from entropy_openrlhf.pipeline.trainer import node_addresses
+    from entropy_openrlhf.pipeline.placement import node_addresses
 
     nodes = [  # as ray.nodes() lists them (other keys left out)
         {"NodeID": "aa", "NodeManagerAddress": "198.18.0.1", "Alive": True},

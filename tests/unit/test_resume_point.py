@@ -5,7 +5,7 @@ import json
 import pytest
 
 from entropy_openrlhf.config import ConfigError, from_args
-from entropy_openrlhf.pipeline.trainer import resume_point
+from entropy_openrlhf.pipeline.checkpoints import resume_point
 
 
 def cfg_in(tmp_path, *flags: str):

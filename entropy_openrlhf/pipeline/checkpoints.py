@@ -1,0 +1,157 @@
+"""Checkpoints: writing one atomically, finding the newest complete one, resuming from it, and rotating old ones.
+
+A checkpoint is checkpoints/step<N>: the DeepSpeed state of every policy rank (weights, optimizer, RNG), an HF export
+of the weights and trainer_state.json (step, prompt-stream position, the entropy controller). Folders are renamed
+into place only when complete, so whatever stops a run mid-save, resume sees complete checkpoints only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from entropy_openrlhf.cluster import wait_dead
+from entropy_openrlhf.config import Config, ConfigError
+
+
+class Checkpointing:
+    """Saving and resuming the trainer (a mixin of Trainer). It reads the trainer's config, policy group, weight
+    sync, prompt stream, training prompts and entropy controller."""
+
+    cfg: Config
+    policy: Any
+    sync: Any
+    stream: Any
+    train_items: list
+    entropy_ctl: Any
+
+    def save(self, version: int, stream_after: tuple[int, int]) -> Path:
+        """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export and the
+        trainer state (step, prompt-stream position, the entropy controller). It is written as .tmp-step<N> and
+        renamed when complete, so a run killed mid-save leaves only a temporary folder, which resume ignores."""
+        root = Path(self.cfg.train.output_dir) / "checkpoints"
+        final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.unfinished_save = tmp  # until the rename: a run stopped meanwhile removes it (discard_unfinished_save)
+        self.policy.save_checkpoint(str(tmp / "deepspeed"), tag="state")
+        self.policy.save_hf(str(tmp / "hf"))  # a complete HF folder: weights, config, tokenizer
+        state = {
+            "step": version,
+            "stream_epoch": stream_after[0],
+            "stream_offset": stream_after[1],
+            "seed": self.cfg.train.seed,
+            "train_prompts": len(self.train_items),
+            "entropy_ctl": self.entropy_ctl.state_dict(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        self.unfinished_save = None
+        shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(root, self.cfg.train.keep_checkpoints)
+        return final
+
+    def discard_unfinished_save(self, timeout_s: float = 30.0) -> Path | None:
+        """After the groups are shut down: remove the folder of a save the run stopped in (SIGTERM, a lost node,
+        an error), so no half-written checkpoint is left. The policy ranks may still be writing into it when the
+        driver stops, so it first waits (at most `timeout_s`) until they are gone. Returns the folder removed."""
+        tmp = getattr(self, "unfinished_save", None)
+        if tmp is None or not tmp.exists():
+            return None
+        left = wait_dead(self.policy.actors, timeout_s) if getattr(self, "policy", None) is not None else 0
+        if left:
+            print(f"[entropy-openrlhf] {left} policy rank(s) still answer {timeout_s:.0f} s after the kill; removing "
+                  f"{tmp} anyway", flush=True)  # fmt: skip
+        # renamed first (one atomic step), then deleted, as rotate_checkpoints does
+        doomed = tmp.with_name(".del-" + tmp.name.removeprefix(".tmp-"))
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(tmp, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        self.unfinished_save = None
+        return tmp
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, and the
+        prompt-stream position. Returns the step to continue from (0 when there is none). Every other random draw
+        (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
+        the resumed steps repeat what the lost ones did."""
+        root = Path(self.cfg.train.output_dir) / "checkpoints"
+        found = resume_point(self.cfg, len(self.train_items))
+        if found is None:
+            print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
+            return 0
+        ckpt, state = found
+        self.policy.load_checkpoint(str(ckpt / "deepspeed"), tag="state")
+        self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
+        self.stream._order = self.stream._make_order()
+        if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed
+            self.entropy_ctl.load_state_dict(state["entropy_ctl"])
+        step = int(state["step"])
+        self.sync.publish(step)  # the engines start from the initial model: the checkpoint's weights, before batch 0
+        print(f"[entropy-openrlhf] resumed from {ckpt} at step {step}", flush=True)
+        return step
+
+
+CHECKPOINT_NAME = re.compile(r"step(\d+)")
+
+
+def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint under output_dir and its trainer state, or None when there is none. Raises
+    ConfigError when it was written with another seed or prompt count: its prompt-stream position would point
+    elsewhere. The driver calls it before any actor starts, and `Trainer.resume` again when it loads."""
+    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
+    if ckpt is None:
+        return None
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for key, flag, now in (
+        ("seed", "--train.seed", cfg.train.seed),
+        ("train_prompts", "--data.train / --data.max_samples (prompt count)", train_prompts),
+    ):
+        if key in state and state[key] != now:
+            raise ConfigError(
+                f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
+                "its prompt-stream position would not match"
+            )
+    return ckpt, state
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint with the highest step. Only step<N> folders holding trainer_state.json count:
+    .tmp-step<N> (a save cut short) and .old-step<N> (a copy being replaced) never do."""
+    if not root.is_dir():
+        return None
+    done = []
+    for path in root.iterdir():
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / "trainer_state.json").is_file():
+            done.append((int(match.group(1)), path))
+    return max(done)[1] if done else None
+
+
+def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints (0 = keep all); return what was deleted. Each is first
+    renamed to .del-step<N> (one atomic step, after which resume no longer sees it) and then removed, so a run
+    killed in the middle leaves a folder resume ignores, never a half-deleted checkpoint it would pick."""
+    for leftover in root.glob(".del-step*"):  # from a run killed while deleting
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep <= 0 or not root.is_dir():
+        return []
+    done = sorted(
+        (int(m.group(1)), path)
+        for path in root.iterdir()
+        if (m := CHECKPOINT_NAME.fullmatch(path.name)) and (path / "trainer_state.json").is_file()
+    )
+    deleted = []
+    for _, path in done[:-keep]:
+        doomed = root / f".del-{path.name}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(path)
+    return deleted
