@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, engine_visible_devices
-from entropy_openrlhf.actors.reaper import process_tree, reap_recorded, write_record
+from entropy_openrlhf.actors.reaper import mark_environment, process_tree, reap_recorded, write_record
 from entropy_openrlhf.actors.weight_names import check_weight_names
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
 from entropy_openrlhf.models.dtype import vllm_dtype
@@ -136,6 +136,7 @@ class RolloutEngine:
             killed = reap_recorded(self.record_key, "rollout engine restarting: its previous incarnation's processes")
             if killed:
                 log.warning("rollout engine restarting: ended processes %s of its previous incarnation", killed)
+            mark_environment(self.record_key)  # every process vLLM starts from here on is found by its mark
         set_cpu_defaults()
         # before vLLM loads anything: a model whose exported weights the engine could not load fails here, in one
         # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
@@ -268,6 +269,7 @@ class RolloutEngine:
                         finish_reason=completion.finish_reason or "",
                         data_source=item.data_source,
                         metadata=dict(item.metadata),
+                        messages=item.messages,
                     )
                 )
         return samples

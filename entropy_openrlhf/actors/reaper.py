@@ -10,6 +10,12 @@ So each engine records its process tree (pid and start time of each process, so 
 for one of them) in a file on its node once vLLM is up, under its Ray actor id, which a restart keeps. A restarted
 engine runs on the same node (its placement group bundle), reads the file and kills what is left of the old tree
 before it starts vLLM; `RolloutGroup.shutdown` does the same with a task on each engine's node after killing them.
+
+A record is a snapshot: a process started after it (a compile worker, an NCCL helper) is not in it, and once the
+recorded process that started it is gone, it hangs from no recorded process. So the tree is followed down again at
+reap time, with every process found stopped (SIGSTOP) before its children are listed, so none can start another
+unseen; and the engine marks its environment with its record key before vLLM starts (`mark_environment`), which
+every process it starts inherits, so a process whose recorded ancestors are all gone is still found by its mark.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import ray
 
 log = logging.getLogger(__name__)
 
+MARK = "ENTROPY_OPENRLHF_ENGINE"  # environment variable: the record key of the engine whose tree a process is in
 REAP_TIMEOUT_S = 60.0  # a SIGKILLed process is gone in milliseconds; a minute allows for a node under heavy load
 _START_TIME_TOLERANCE_S = 0.05  # psutil derives start times from clock ticks: equal within this for one process
 
@@ -47,6 +54,23 @@ def process_tree(pid: int) -> list[tuple[int, float]]:
         except psutil.NoSuchProcess:  # ended while listed: nothing to reap
             pass
     return tree
+
+
+def mark_environment(key: str) -> None:
+    """Mark this process's environment with `key`, inherited by every process it starts from now on."""
+    os.environ[MARK] = key
+
+
+def marked_processes(key: str) -> list[tuple[int, float]]:
+    """(pid, start time) of every process on this node whose environment carries `key` (mark_environment)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARK) == key:
+                found.append((p.pid, p.create_time()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):  # gone, or not ours to read
+            pass
+    return found
 
 
 def write_record(key: str, tree: list[tuple[int, float]]) -> Path:
@@ -71,26 +95,36 @@ def _same_process(pid: int, started: float) -> psutil.Process | None:
         return None
 
 
-def reap(tree: list[tuple[int, float]], what: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process of `tree` still alive, with any children it has started since, and wait until all are
-    gone. Returns the pids killed; raises TimeoutError naming `what` and the pids still alive after `timeout_s`."""
+def reap(tree: list[tuple[int, float]], what: str, timeout_s: float = REAP_TIMEOUT_S, key: str = "") -> list[int]:
+    """SIGKILL every process of `tree` still alive, the processes marked with `key` (when given) and every process
+    below any of them as it is at reap time, and wait until all are gone. Returns the pids killed; raises
+    TimeoutError naming `what` and the pids still alive after `timeout_s`."""
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # never this process nor its ancestors
+    roots = tree + (marked_processes(key) if key else [])
     targets: dict[int, psutil.Process] = {}
-    for pid, started in tree:
+    for pid, started in roots:
         p = _same_process(pid, started)
-        if p is None or p.pid == os.getpid():  # never this process nor, by sweeping, its own live children
-            continue
-        targets[p.pid] = p
-        try:
-            for child in p.children(recursive=True):
-                targets.setdefault(child.pid, child)
-        except psutil.NoSuchProcess:
-            pass
-    targets.pop(os.getpid(), None)  # nor this process found as someone's child
+        if p is not None and p.pid not in spared:
+            targets[p.pid] = p
+    # Stop each process before listing its children, and list again until no new one appears: a running process
+    # could start a child between the listing and the kill, and that child would be missed.
+    frontier = list(targets.values())
+    while frontier:
+        for p in frontier:
+            _signal(p, signal.SIGSTOP)
+        found = []
+        for p in frontier:
+            try:
+                children = p.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for child in children:
+                if child.pid not in targets and child.pid not in spared:
+                    targets[child.pid] = child
+                    found.append(child)
+        frontier = found
     for p in targets.values():
-        try:
-            p.send_signal(signal.SIGKILL)  # psutil checks the pid still names this process first
-        except psutil.NoSuchProcess:
-            pass
+        _signal(p, signal.SIGKILL)  # a stopped process dies of SIGKILL as a running one does
     deadline = time.monotonic() + timeout_s
     while True:
         alive = [pid for pid, p in targets.items() if _still_running(p)]
@@ -101,6 +135,13 @@ def reap(tree: list[tuple[int, float]], what: str, timeout_s: float = REAP_TIMEO
         time.sleep(0.05)
 
 
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)  # psutil checks the pid still names this process first
+    except psutil.NoSuchProcess:
+        pass
+
+
 def _still_running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE  # a zombie holds no memory, only its pid
@@ -109,13 +150,14 @@ def _still_running(p: psutil.Process) -> bool:
 
 
 def reap_recorded(key: str, what: str, timeout_s: float = REAP_TIMEOUT_S) -> list[int]:
-    """Reap the tree recorded under `key` on this node, if any, and drop the record; return the pids killed."""
+    """Reap the tree recorded under `key` on this node and the processes marked with `key`, and drop the record;
+    return the pids killed."""
     path = record_dir() / f"{key}.json"
     try:
         tree = [(int(pid), float(started)) for pid, started in json.loads(path.read_text())]
-    except FileNotFoundError:
-        return []
-    killed = reap(tree, what, timeout_s)
+    except FileNotFoundError:  # killed before it wrote its record: its marked processes are still found
+        tree = []
+    killed = reap(tree, what, timeout_s, key=key)
     path.unlink(missing_ok=True)
     return killed
 

@@ -106,3 +106,59 @@ def test_processes_that_will_not_die_fail_in_time_naming_them(orphan, monkeypatc
     with pytest.raises(TimeoutError, match=rf"^a stuck engine: processes \[{child_pid}\] were still alive 1 s after"):
         reaper.reap(tree, "a stuck engine", timeout_s=1.0)
     assert time.monotonic() - t0 < 10
+
+
+# a child that, once told to (a line on stdin), starts a grandchild, prints its pid, and then either sleeps or exits
+LATE_SPAWNER = (
+    "import subprocess, sys, time\n"
+    "sys.stdin.readline()\n"
+    "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(grandchild.pid, flush=True)\n"
+    "time.sleep(600 if sys.argv[1] == 'stay' else 0)\n"
+)
+
+
+@pytest.mark.parametrize("child_exits", [False, True])
+def test_a_grandchild_started_after_the_record_is_reaped(child_exits, tmp_path, monkeypatch):
+    """The record is a snapshot: a grandchild started after it is found by following the tree down at reap time
+    while its parent lives, and by the engine's environment mark once its parent is gone (re-parented to init)."""
+    monkeypatch.setattr(reaper, "record_dir", lambda: tmp_path)
+    key = f"engine-under-test-{os.getpid()}-{child_exits}"
+    env = {**os.environ, reaper.MARK: key}  # what mark_environment leaves to every process the engine starts
+    child = subprocess.Popen(
+        [sys.executable, "-c", LATE_SPAWNER, "exit" if child_exits else "stay"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    grandchild_pid = None
+    try:
+        reaper.write_record(key, reaper.process_tree(child.pid))  # only the child: the grandchild is not born yet
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        grandchild_pid = int(child.stdout.readline())
+        if child_exits:
+            child.wait(timeout=30)
+            assert running(grandchild_pid), "the grandchild should outlive its parent (the case being solved)"
+        killed = reaper.reap_recorded(key, "a test engine")
+        assert grandchild_pid in killed and not running(grandchild_pid)
+        assert (child.pid in killed) is not child_exits
+        assert not running(child.pid)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        if grandchild_pid is not None and running(grandchild_pid):
+            os.kill(grandchild_pid, signal.SIGKILL)
+
+
+def test_marked_processes_are_found_and_unmarked_ones_are_not():
+    key = f"mark-under-test-{os.getpid()}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    marked = subprocess.Popen(sleeper, env={**os.environ, reaper.MARK: key})
+    plain = subprocess.Popen(sleeper)
+    try:
+        assert [pid for pid, _ in reaper.marked_processes(key)] == [marked.pid]
+        assert reaper.reap([], "marked only", key=key) == [marked.pid]
+        assert not running(marked.pid) and running(plain.pid)
+    finally:
+        for p in (marked, plain):
+            p.kill()
+            p.wait(timeout=30)
