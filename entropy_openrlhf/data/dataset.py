@@ -50,6 +50,7 @@ def load_prompts(
         if max_samples is not None and index >= max_samples:
             break
         prompt, label, data_source, metadata = _parse_row(path, where, row, input_key, label_key)
+        messages = None
         if isinstance(prompt, str):
             if apply_chat_template:
                 messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -61,13 +62,14 @@ def load_prompts(
                 raise DatasetError(
                     f"{path}: {where}: field '{input_key}': a chat message list needs data.apply_chat_template=true"
                 )
+            messages = [dict(m) for m in prompt]
             try:
                 prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # a template may reject a role order; name the row
                 raise DatasetError(
                     f"{path}: {where}: field '{input_key}': chat template failed: {_first_line(e)}"
                 ) from None
-        items.append(PromptItem(index, prompt, label, data_source, metadata))
+        items.append(PromptItem(index, prompt, label, data_source, metadata, messages=messages))
     if not items:
         raise DatasetError(f"{path}: the dataset is empty (no rows)")
     return items

@@ -392,3 +392,15 @@ def test_chat_template_failure_names_the_row(tmp_path, tiny_tokenizer):
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "label": "1"}])
     with pytest.raises(DatasetError, match=r"line 1: field 'prompt': chat template failed: roles must alternate"):
         load_prompts(path, tokenizer=tok)
+
+
+def test_prompts_keep_their_chat_messages_for_rollout_functions(tmp_path, tiny_tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "Add 2 and 2."}], "label": "4"}, {"prompt": "Add 3.", "label": "3"}]
+    _jsonl(tmp_path / "p.jsonl", rows)
+    items = load_prompts(str(tmp_path / "p.jsonl"), tokenizer=tiny_tokenizer, system_prompt="Be brief.")
+    assert items[0].messages == [{"role": "user", "content": "Add 2 and 2."}]
+    assert items[1].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 3."}]
+    assert items[1].prompt == _chat(tiny_tokenizer, items[1].messages)  # the engine input is made from them
+    _jsonl(tmp_path / "q.jsonl", rows[1:])
+    (plain,) = load_prompts(str(tmp_path / "q.jsonl"), tokenizer=tiny_tokenizer, apply_chat_template=False)
+    assert plain.messages is None and plain.prompt == "Add 3."  # no template, no messages

@@ -1,0 +1,102 @@
+"""What a rollout function is, the registry that holds them by name, and the check of what one returns.
+
+A rollout function takes the engines and a `RolloutRequest` and returns one list of `n` samples per prompt, in the
+prompts' order. Each sample carries its token ids, the behaviour log-prob of each response token
+(`rollout_log_probs`), a `response_mask` (1 on the tokens the policy chose, 0 on tokens it only read, such as a
+tool's output) and the prompt's chat `messages`. Rewards, the reference and the advantages come after it, in the
+trainer, the same for every function.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from entropy_openrlhf.samples import PromptItem, Sample
+
+
+class Engines(Protocol):
+    """The part of the rollout group a rollout function uses (actors/rollout.py::RolloutGroup)."""
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None,
+        policy_version: int,
+    ) -> list[Sample]: ...
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One batch to roll out: the prompts, the samples per prompt and how to sample them."""
+
+    prompts: list[PromptItem]
+    n: int  # responses per prompt: the group size
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int | None  # derived from the run's seed and the prompt stream's position, so a resumed step repeats it
+    policy_version: int  # the version of the weights the engines hold
+
+
+RolloutFn = Callable[[Engines, RolloutRequest], list[list[Sample]]]
+
+ROLLOUTS: dict[str, RolloutFn] = {}
+
+
+def register_rollout(name: str) -> Callable[[RolloutFn], RolloutFn]:
+    """Decorator: registers a rollout function under `name` (the value of `--rollout.function`)."""
+
+    def wrap(fn: RolloutFn) -> RolloutFn:
+        if name in ROLLOUTS:
+            raise ValueError(f"rollout function {name!r} is registered twice")
+        ROLLOUTS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_rollout(name: str) -> RolloutFn:
+    """The rollout function `name`: a registered name, or `package.module:function` imported on the spot (a user's
+    own, which registers nothing). Raises ValueError naming the flag and what is known."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--rollout.function {name}: cannot load it ({e})") from None
+        if not callable(fn):
+            raise ValueError(f"--rollout.function {name}: {attr} is not a function")
+        return fn
+    if name not in ROLLOUTS:
+        close = difflib.get_close_matches(name, list(ROLLOUTS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(
+            f"--rollout.function {name!r}: registered are {', '.join(ROLLOUTS)}, or give package.module:function{hint}"
+        )
+    return ROLLOUTS[name]
+
+
+def check_groups(groups: list[list[Sample]], request: RolloutRequest, name: str) -> None:
+    """Raise ValueError naming the rollout function, the prompt and the field unless `groups` holds `request.n`
+    well-formed samples for each prompt, in order: the trainer's advantages and the policy's loss read them so."""
+    if len(groups) != len(request.prompts):
+        raise ValueError(f"rollout function {name}: {len(groups)} groups for {len(request.prompts)} prompts")
+    for prompt, group in zip(request.prompts, groups):
+        if len(group) != request.n:
+            raise ValueError(
+                f"rollout function {name}: prompt {prompt.index} got {len(group)} samples, not {request.n}"
+            )
+        for j, sample in enumerate(group):
+            where = f"rollout function {name}: prompt {prompt.index}, sample {j}"
+            if sample.prompt_index != prompt.index:
+                raise ValueError(f"{where}: prompt_index is {sample.prompt_index}")
+            sample.check(where)
