@@ -19,7 +19,8 @@ from typing import Literal
 
 import torch
 
-AggMode = Literal["token_mean", "seq_mean_token_mean"]
+AggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGG_MODES: tuple[str, ...] = AggMode.__args__  # --loss.agg's choices
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -45,25 +46,38 @@ def aggregate(
     mode: AggMode = "token_mean",
     normalizer: float | None = None,
     dp_size: int = 1,
+    norm_len: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, L) loss matrix to a scalar, as OpenRLHF's `aggregate_loss` does.
+    """Reduce a (B, L) loss matrix to a scalar, as OpenRLHF's `aggregate_loss` and verl's `agg_loss` do.
 
-    token_mean: sum over valid tokens / (normalizer or the number of valid tokens here).
-    seq_mean_token_mean: each sequence's token mean, summed / (normalizer or the number of non-empty sequences here).
-    With a normalizer the result is multiplied by `dp_size`, undoing the gradient averaging across data-parallel
-    ranks. A zero count gives a zero loss that still carries a gradient path.
+    token_mean: sum over valid tokens / N_tokens (DAPO's; verl token-mean, TRL bnpo/dapo).
+    seq_mean_token_mean: each sequence's token mean, averaged over the non-empty sequences (GRPO's; TRL grpo).
+    seq_mean_token_sum: each sequence's token sum, averaged over the non-empty sequences.
+    seq_mean_token_sum_norm: each sequence's token sum / `norm_len`, averaged over the non-empty sequences: Dr.GRPO's
+      constant normaliser (the generation limit) in place of each response's length (TRL dr_grpo).
+    N_tokens and the number of sequences are this call's own, unless `normalizer` gives them for the whole
+    optimizer step (for seq_mean_token_sum_norm: sequences x norm_len, `LossContext.normalizer`), so that summing
+    the micro-batches' results gives the step's loss however it is split. With a normalizer the result is multiplied
+    by `dp_size`, undoing the gradient averaging across data-parallel ranks. `norm_len` defaults to the matrix's
+    width. A zero count gives a zero loss that still carries a gradient path.
     """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
     scale = 1.0 if normalizer is None else float(dp_size)
     mask = mask.to(token_loss.dtype)
     if mode == "token_mean":
         denom = mask.sum() if normalizer is None else torch.tensor(float(normalizer), dtype=token_loss.dtype)
         return (token_loss * mask).sum() / denom.clamp(min=1.0) * scale
-    if mode == "seq_mean_token_mean":
-        tokens = mask.sum(-1)
-        seq_means = (token_loss * mask).sum(-1) / tokens.clamp(min=1.0)
-        denom = (tokens > 0).sum().to(token_loss.dtype) if normalizer is None else torch.tensor(float(normalizer))
-        return seq_means.sum() / denom.clamp(min=1.0) * scale
-    raise ValueError(f"unknown aggregation mode {mode!r}; expected 'token_mean' or 'seq_mean_token_mean'")
+    tokens = mask.sum(-1)
+    sums = (token_loss * mask).sum(-1)
+    per_seq = sums / tokens.clamp(min=1.0) if mode == "seq_mean_token_mean" else sums
+    if normalizer is None:
+        denom = (tokens > 0).sum().to(token_loss.dtype)
+        if mode == "seq_mean_token_sum_norm":
+            denom = denom * float(norm_len if norm_len is not None else mask.shape[-1])
+    else:
+        denom = torch.tensor(float(normalizer), dtype=token_loss.dtype)
+    return per_seq.sum() / denom.clamp(min=1.0) * scale
 
 
 def entropy_bonus(

@@ -43,6 +43,7 @@ class LossContext:
     clip_high: float = 0.2
     dual_clip: float | None = None
     agg: str = "token_mean"  # --loss.agg
+    agg_norm_len: float = 0.0  # --loss.agg_norm_len: seq_mean_token_sum_norm's constant length (0: the batch width)
     # counts over the whole optimizer mini-batch on all ranks; None = this call's own (a plain function call)
     tokens: float | None = None
     sequences: float | None = None
@@ -55,8 +56,15 @@ class LossContext:
 
     @property
     def normalizer(self) -> float | None:
-        """The denominator --loss.agg asks for, over the whole mini-batch."""
-        return self.tokens if self.agg == "token_mean" else self.sequences
+        """The denominator --loss.agg asks for, over the whole mini-batch: its tokens, its sequences, or (Dr.GRPO's
+        seq_mean_token_sum_norm) its sequences times the constant length."""
+        if self.agg == "token_mean":
+            return self.tokens
+        if self.agg == "seq_mean_token_sum_norm" and self.sequences is not None:
+            if self.agg_norm_len <= 0:
+                raise ValueError("seq_mean_token_sum_norm over a whole mini-batch needs agg_norm_len > 0")
+            return self.sequences * self.agg_norm_len
+        return self.sequences
 
 
 # select(batch, params, ctx, candidates) -> bool mask of batch.mask's shape
