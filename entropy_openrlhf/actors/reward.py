@@ -59,6 +59,17 @@ class VerifierWorker:
         return self.verifier.score(items, self.timeout_s)
 
 
+def verifier_items(samples: list[Sample]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """What a verifier is called with for each sample: (response, label, prompt, metadata), the metadata being the
+    dataset row's other fields plus the response's token count and the engine's finish reason ("stop" or "length":
+    cut at --rollout.max_new_tokens), so a verifier can judge length itself (docs/verifiers.md)."""
+    return [
+        (s.response, s.label, s.prompt,
+         {**s.metadata, "response_tokens": len(s.response_token_ids), "finish_reason": s.finish_reason})
+        for s in samples
+    ]  # fmt: skip
+
+
 class RewardGroup:
     """`num_workers` verifier actors. `score` splits a batch across them and returns the samples in the order given,
     with `reward`, `acc`, `format_ok` and `reward_info` filled, plus the batch's `reward/*` metrics."""
@@ -110,7 +121,7 @@ class RewardGroup:
             return samples, {}
         with self._lock:
             start = time.monotonic()
-            items = [(s.response, s.label, s.prompt, s.metadata) for s in samples]
+            items = verifier_items(samples)
             results = self._score_items(items)
             seconds = time.monotonic() - start
         for sample, r in zip(samples, results):
