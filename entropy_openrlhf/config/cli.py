@@ -1,0 +1,120 @@
+"""The command line: `build_parser` (one `--section.field` flag per leaf of `Config`, typed by its default),
+`from_args` (dataclass defaults, then the pipeline's defaults, then `--preset`, then explicit flags), `apply_preset`
+and `set_by_path` (a leaf set by its dotted name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+from typing import Any
+
+from entropy_openrlhf.config.paths import _fields
+from entropy_openrlhf.config.schema import Config
+from entropy_openrlhf.presets import PRESETS
+
+
+def set_by_path(cfg: Config, key: str, value: Any) -> None:
+    """Set the leaf that the dotted flag name `key` names (`async.*` is the field `async_`)."""
+    *parents, leaf = key.split(".")
+    obj = cfg
+    for part in parents:
+        obj = getattr(obj, {"async": "async_"}.get(part, part))
+    setattr(obj, leaf, value)
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_json_object(text: str) -> dict:
+    example = """'{"node_a": 1}'"""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as {example}, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as {example}, got {text!r}")
+    return value
+
+
+def _converter(default):
+    if isinstance(default, bool):
+        return _parse_bool
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    if isinstance(default, list):
+        return lambda s: [float(x) for x in s.split(",")]
+    if isinstance(default, dict):
+        return _parse_json_object
+    return str
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-5" for a flag (its negative-number pattern has no exponent): accept it as a value
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str):
+        """One line naming the flag; argparse's default prints the usage of every flag first, burying it."""
+        hint = " (--help lists every flag)"
+        if message.startswith("unrecognized arguments:"):
+            flags = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            close = difflib.get_close_matches(flags[0], list(self._option_string_actions), n=1) if flags else []
+            hint = f"; did you mean {close[0]}?" if close else hint
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    p = _Parser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    for key, f, default in _fields(Config()):
+        flags = [f"--{key}"] + (["--pretrain"] if key == "model.pretrain" else [])
+        shown = ",".join(str(x) for x in default) if isinstance(default, list) else default
+        shown = json.dumps(shown) if isinstance(shown, dict) else shown
+        p.add_argument(
+            *flags,
+            dest=key,
+            type=_converter(default),
+            default=None,
+            metavar={bool: "BOOL", int: "INT", float: "FLOAT", list: "A,B", dict: "JSON"}.get(type(default), "STR"),
+            help=f"{f.metadata['help']} [{shown}]".replace("%", "%%"),
+        )
+    return p
+
+
+def from_args(argv: list[str] | None, defaults: dict[str, Any] | None = None, description: str = "") -> Config:
+    """Config = dataclass defaults, then the pipeline's `defaults`, then `--preset`, then explicit flags."""
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    cfg = Config()
+    for key, value in (defaults or {}).items():
+        set_by_path(cfg, key, value)
+    preset = args.preset or cfg.preset
+    if preset:
+        apply_preset(cfg, preset)
+        cfg.preset = preset
+    for key, value in vars(args).items():
+        if value is not None:
+            set_by_path(cfg, key, value)
+    return cfg
+
+
+def apply_preset(cfg: Config, name: str) -> None:
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
+    for key, value in PRESETS[name].items():
+        set_by_path(cfg, key, value)

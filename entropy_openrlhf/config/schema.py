@@ -1,0 +1,67 @@
+"""`Config`: every section in the order of `--help` and of `flatten()`, plus the values derived across sections
+(`is_async`, `use_is_correction`, the reference's GPUs and micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from entropy_openrlhf.config.paths import _walk
+from entropy_openrlhf.config.sections.actor import ActorConfig
+from entropy_openrlhf.config.sections.logger_ray import LoggerConfig, RayConfig
+from entropy_openrlhf.config.sections.loss import AlgoConfig, EntropyConfig, LossConfig
+from entropy_openrlhf.config.sections.model_data import DataConfig, ModelConfig
+from entropy_openrlhf.config.sections.reference import REF_GPUS_AUTO, RefConfig
+from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfig
+from entropy_openrlhf.config.sections.rollout import RolloutConfig
+from entropy_openrlhf.config.sections.train import AsyncConfig, SyncConfig, TrainConfig
+from entropy_openrlhf.options import option as _f
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"name": "async"})
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    preset: str = _f(
+        "", "named preset applied before the flags: smoke | clip-cov-small | qwen2.5-7b-dapo | qwen2.5-32b-dapo"
+    )
+
+    def flatten(self) -> dict[str, Any]:
+        return dict(_walk(self))
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_.max_staleness > 0
+
+    @property
+    def use_is_correction(self) -> bool:
+        return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
+
+
+def reference_gpus(cfg: Config) -> float:
+    """The GPUs the reference actor reserves: --ref.num_gpus, or for -1 (auto) one policy rank's GPU share, at most
+    one (a forward pass uses one device), and 0 when the policy ranks train on the CPU. 0 when the reference is off."""
+    if not cfg.ref.enabled:
+        return 0.0
+    if cfg.ref.num_gpus == REF_GPUS_AUTO:
+        return min(1.0, cfg.actor.num_gpus_per_worker)
+    return cfg.ref.num_gpus
+
+
+def reference_micro_batch_size(cfg: Config) -> int:
+    """Sequences per reference forward: --ref.micro_batch_size, or the policy's when it is 0."""
+    return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size

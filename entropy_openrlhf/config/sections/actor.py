@@ -1,0 +1,38 @@
+"""The `--actor.*` flags: the DeepSpeed policy ranks, their Ray resources and their AdamW optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
+from entropy_openrlhf.options import option as _f  # short: every field below uses it
+
+
+@dataclass
+class ActorConfig(Section):
+    num_workers: int = _f(1, "data-parallel DeepSpeed policy actors")
+    num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
+    num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
+    custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="policy rank", example='{"node_b": 1}'))
+    lr: float = _f(1e-5, "AdamW learning rate, constant (the paper's 1e-6 is for 7B/32B: the qwen presets set it)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list = _f([0.9, 0.999], "AdamW betas")
+    adam_eps: float = _f(1e-8, "AdamW epsilon (PyTorch's default)")
+    grad_clip: float = _f(1.0, "global gradient-norm clip")
+    zero_stage: int = _f(2, "DeepSpeed ZeRO stage (0-3)")
+    micro_batch_size: int = _f(4, "sequences per forward/backward on one actor")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+    def checks(self) -> list[str]:
+        return (
+            _failed(
+                (self.lr > 0, "actor.lr", f"{self.lr} must be > 0"),
+                (self.grad_clip >= 0, "actor.grad_clip", "must be >= 0"),
+                (self.adam_eps > 0, "actor.adam_eps", f"{self.adam_eps} must be > 0"),
+                (self.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3"),
+                (self.num_workers >= 1, "actor.num_workers", "must be >= 1"),
+                (self.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1"),
+            )
+            + _ray_amount_errors(self, "actor", "num_gpus_per_worker", "num_cpus_per_worker")
+            + _custom_resource_errors(self.custom_resources, "actor")
+        )

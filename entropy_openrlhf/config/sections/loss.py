@@ -1,0 +1,95 @@
+"""What the policy is trained on: the `--loss.*` flags (the objective, its shared settings, and each registered
+objective's own as `--loss.<name>.*`), the `--entropy.*` flags (the entropy controller) and the `--algo.*` flags
+(advantage estimator, KL to the reference, dynamic sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from entropy_openrlhf.algorithms import entropy_control
+from entropy_openrlhf.algorithms.advantages import ESTIMATORS
+from entropy_openrlhf.algorithms.entropy_control import EntropyControlConfig
+from entropy_openrlhf.algorithms.objectives import OBJECTIVES
+from entropy_openrlhf.config.base import Section, _failed
+from entropy_openrlhf.options import option as _f  # short: every field below uses it
+
+
+@dataclass
+class LossOptions(Section):
+    """The settings every objective shares; each objective adds its own as --loss.<name>.<field>."""
+
+    type: str = _f("kl_cov", "the policy objective: {choices} (docs/losses.md)", choices=tuple(OBJECTIVES))
+    clip_low: float = _f(
+        0.2, "PPO clip epsilon below 1 for the objectives with PPO's clip: ppo, clip_cov, high_entropy"
+    )
+    clip_high: float = _f(0.2, "PPO clip epsilon above 1 (clip-higher: 0.28)")
+    dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo (0 = off)")
+    agg: str = _f(
+        "token_mean",
+        "{choices}, normalised over the whole optimizer step",
+        choices=("token_mean", "seq_mean_token_mean"),
+    )
+    scope: str = _f(
+        "micro_batch",
+        "token selection (clip_cov, kl_cov, high_entropy) over: micro_batch (reference code) | global (the mini-batch, "
+        "all ranks)",
+        choices=("micro_batch", "global"),
+    )
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus alpha: adds -alpha * H (token entropy of the current policy, aggregated like the policy loss) "
+        "to any objective's loss; 0 = off, nothing computed. With --entropy.target it is the bonus's base, which the "
+        "controller raises up to --entropy.max_bonus below the band",
+    )
+
+    def checks(self) -> list[str]:
+        """The shared settings; each objective's own are checked by `validate()` (its notes read other sections)."""
+        if self.type == "clip_higher":
+            why = "clip_higher is ppo with a wider upper clip: --loss.type ppo --loss.clip_high 0.28 " \
+                  "(pipelines/clip_higher.py sets both)"  # fmt: skip
+        else:
+            why = f"{self.type!r} is not one of {', '.join(OBJECTIVES)}"
+        return _failed(
+            (self.type in OBJECTIVES, "loss.type", why),
+            (self.clip_low >= 0 and self.clip_high >= 0, "loss.clip_low", "clip epsilons must be >= 0"),
+            (self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1"),
+            (
+                0 <= self.entropy_coef < float("inf"),  # NaN fails the comparison too
+                "loss.entropy_coef",
+                f"{self.entropy_coef} must be a finite number >= 0 (0 = no entropy bonus)",
+            ),
+        )
+
+
+# One field per registered objective, holding its config: `cfg.loss.kl_cov.ratio` is `--loss.kl_cov.ratio`.
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig",
+    [(name, obj.config, field(default_factory=obj.config)) for name, obj in OBJECTIVES.items()],
+    bases=(LossOptions,),
+)
+
+
+@dataclass
+class EntropyConfig(EntropyControlConfig, Section):
+    knob: str = _f(
+        "",
+        "the objective's setting the controller scales; empty = its first: kl_cov coef | ratio, clip_cov ratio, "
+        "high_entropy top_frac (divided by the scale)",
+    )
+
+    def checks(self) -> list[str]:
+        return entropy_control.validate(self)
+
+
+@dataclass
+class AlgoConfig(Section):
+    advantage: str = _f("grpo", "advantage estimator: {choices}", choices=tuple(ESTIMATORS))
+    kl_coef: float = _f(0.0, "KL-to-reference loss coefficient (paper: 0; the metric is logged either way)")
+    kl_estimator: str = _f("k3", "estimator of the reference KL: {choices}", choices=("k1", "k2", "k3"))
+    dynamic_sampling: bool = _f(False, "DAPO filter: drop prompt groups whose rewards are all equal and refill")
+    max_gen_batches: int = _f(3, "dynamic sampling: generation rounds per step before training on what was kept")
+
+    def checks(self) -> list[str]:
+        return _failed((self.kl_coef >= 0, "algo.kl_coef", "must be >= 0"))

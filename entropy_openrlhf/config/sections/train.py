@@ -1,0 +1,69 @@
+"""The training loop: the `--train.*` flags (steps, mini-batches, checkpoints), the `--async.*` flags (rollouts that
+lag the trainer) and the `--sync.*` flags (weight sync to the engines; its fields live in sync/factory.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from entropy_openrlhf.config.base import Section, _failed
+from entropy_openrlhf.options import option as _f  # short: every field below uses it
+from entropy_openrlhf.sync.factory import WeightSyncSettings
+
+
+@dataclass
+class TrainConfig(Section):
+    num_steps: int = _f(20, "RL steps (rollout batches)")
+    mini_batches: int = _f(2, "optimizer steps per rollout batch (KL-Cov needs > 1 to act)")
+    seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
+    output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
+    keep_checkpoints: int = _f(
+        2, "keep the newest N complete checkpoints, delete older ones (0 = keep all; a 7B one is ~120 GB)"
+    )
+    resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir/checkpoints")
+    max_nonfinite_steps: int = _f(3, "stop after this many consecutive steps with a non-finite loss or gradient")
+    shared_prefix: str = _f(
+        "auto",
+        "training-side forwards (old log-probs, policy, reference) compute each prompt once for the responses of a "
+        "micro-batch that share it: on | off | auto (pack a micro-batch when a cost estimate says it is cheaper)",
+        choices=("auto", "on", "off"),
+    )
+
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (self.save_every >= 0, "train.save_every", "must be >= 0"),
+            (self.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)"),
+            (self.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
+        )
+
+
+@dataclass
+class AsyncConfig(Section):
+    max_staleness: int = _f(1, "policy versions a rollout may lag the trainer (0 = synchronous)")
+    is_correction: str = _f(
+        "auto",
+        "truncated importance sampling vs the rollout log-probs: auto (on when async) | on | off",
+        choices=("auto", "on", "off"),
+    )
+    is_cap: float = _f(2.0, "cap of the token-level importance weight")
+
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.max_staleness >= 0, "async.max_staleness", f"{self.max_staleness} must be >= 0"),
+            (self.is_cap >= 1, "async.is_cap", "must be >= 1"),
+        )
+
+
+@dataclass
+class SyncConfig(WeightSyncSettings, Section):  # the fields and their help: sync/factory.py
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.timeout_s > 0, "sync.timeout_s", "must be > 0"),
+            (
+                0 < self.max_chunk_mb <= 4000,
+                "sync.max_chunk_mb",
+                f"{self.max_chunk_mb} must be in (0, 4000]: vLLM's RPC refuses a message of 4 GiB or more",
+            ),
+        )
