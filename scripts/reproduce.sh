@@ -193,7 +193,7 @@ if (( SEEDS > 0 )); then
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done
     done
-    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix study_ --band "$CTL_BAND" \
+    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$PLOTS" --prefix study_ --band "$CTL_BAND" \
         | tee "$OUT/results_study.txt"
     exit 0
 fi
@@ -206,7 +206,7 @@ plot() {  # plot PREFIX "FLAGS" METHOD...: the plots and table of those runs tha
         if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
     done
     # shellcheck disable=SC2086  # flags holds several words
-    .venv/bin/python scripts/plot_runs.py "${specs[@]}" --out "$PLOTS" --prefix "$prefix" $flags
+    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$PLOTS" --prefix "$prefix" $flags
 }
 plot arith_ "" grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
 # entropy control against its two baselines (docs/results.md, "Entropy control"), its band shaded and scored

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from entropy_openrlhf.algorithms.metrics import bootstrap_interval, majority_correct, pass_at_k, pass_at_k_ladder
@@ -206,3 +207,29 @@ def test_eval_schedule_every_n_versions_and_version_0_only_when_asked(initial):
     due = [v for v in range(0, 51) if eval_due(v, 25, initial)]
     assert due == ([0, 25, 50] if initial else [25, 50])
     assert not any(eval_due(v, 0, initial) for v in range(5))  # every 0: evaluation off
+
+
+def test_bootstrap_interval_is_the_exact_2_5_and_97_5_percentiles_of_its_resampled_means():
+    # Fixed data and seed; the resampled means recomputed here one by one. What must match the function: numpy's
+    # Generator(seed) drawing, group after group, a (resamples, prompts) array of prompt indices with replacement.
+    groups = [[0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], [0.25, 0.5, 0.75, 1.0, 0.0]]
+    resamples, seed = 400, 11
+    rng = np.random.default_rng(seed)
+    picks = [rng.integers(0, len(g), size=(resamples, len(g))).tolist() for g in groups]
+    means = sorted(
+        math.fsum(math.fsum(g[i] for i in p[r]) / len(g) for g, p in zip(groups, picks)) / len(groups)
+        for r in range(resamples)
+    )
+
+    def percentile(q: float) -> float:  # linear interpolation between the order statistics around q (n - 1)
+        position = q / 100 * (len(means) - 1)
+        below = math.floor(position)
+        return means[below] + (position - below) * (means[min(below + 1, len(means) - 1)] - means[below])
+
+    low, high = bootstrap_interval(groups, resamples=resamples, seed=seed)
+    assert (low, high) == pytest.approx((percentile(2.5), percentile(97.5)), abs=1e-12)
+    # the check tells a 95% interval from a 90% one: those bounds lie strictly inside
+    assert low < percentile(5) and percentile(95) < high
+    assert bootstrap_interval(groups, resamples=resamples, seed=seed, level=0.9) == pytest.approx(
+        (percentile(5), percentile(95)), abs=1e-12
+    )

@@ -1,4 +1,5 @@
-"""scripts/plot_runs.py on synthetic runs: the PNGs are written and each method's entropy law is recovered."""
+"""The study's command line (python -m study.plot_runs) on synthetic runs: the PNGs are written, each method's
+entropy law is recovered and the printed tables hold what the runs say."""
 
 import csv
 import json
@@ -11,9 +12,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.stats import binomtest, ttest_1samp, wilcoxon
+from scipy.stats import t as student_t
+
+from study import plot_runs as cli
+from study.figures import plot_runs
+from study.runs import (
+    Run,
+    across_runs,
+    band_ceiling,
+    controller_moved,
+    cov_entropy_points,
+    fit_run,
+    group_methods,
+    parse_run,
+    pass_at_k_curves,
+)
+from study.stats import mean_interval, paired_difference, pearson_interval, t95
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "plot_runs.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # (a, b) per method; entropy decays at a different speed for each, as GRPO's collapses fastest
 METHODS = {"grpo": (0.40, 0.90, 8.0), "clip_cov": (0.30, 0.85, 25.0), "kl_cov": (0.25, 0.80, 60.0)}
@@ -42,23 +59,14 @@ def write_run_folder(root: Path, records: list[dict]) -> Path:
 
 
 def run_script(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
-
-
-def load_module():
-    import importlib.util
-
-    if "plot_runs" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("plot_runs", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["plot_runs"] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules["plot_runs"]
+    """The command line as the docs give it: python -m study.plot_runs from the repository root."""
+    command = [sys.executable, "-m", "study.plot_runs", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
     """The script's main() in this process (the subprocess test above covers the command line itself)."""
-    code = load_module().main([str(a) for a in args])
+    code = cli.main([str(a) for a in args])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -94,7 +102,6 @@ def test_writes_every_png_and_recovers_each_methods_law(tmp_path):
 
 
 def test_fit_prefers_eval_accuracy_and_reads_csv(tmp_path):
-    mod = load_module()
     a, b, tau = METHODS["kl_cov"]
     records = synthetic_records(a, b, tau, eval_every=5)
     folder = write_run_folder(tmp_path / "kl", records)
@@ -105,9 +112,9 @@ def test_fit_prefers_eval_accuracy_and_reads_csv(tmp_path):
         writer.writeheader()
         writer.writerows(grpo)
 
-    runs = [mod.parse_run(f"kl_cov={folder}"), mod.parse_run(str(csv_path))]
+    runs = [parse_run(f"kl_cov={folder}"), parse_run(str(csv_path))]
     assert runs[1].label == "grpo"  # no label given: the file name
-    written = mod.plot_runs(runs, tmp_path / "out")
+    written = plot_runs(runs, tmp_path / "out")
     names = {"entropy.png", "accuracy.png", "entropy_law.png", "fit_kl_cov.png", "fit_grpo.png"}
     assert {p.name for p in written} == names
     for p in written:
@@ -120,8 +127,8 @@ def test_fit_prefers_eval_accuracy_and_reads_csv(tmp_path):
     assert csv_run.fit.a == pytest.approx(METHODS["grpo"][0], abs=0.01)
 
     # an explicit key overrides auto
-    forced = mod.parse_run(f"kl_cov={folder}")
-    mod.fit_run(forced, "reward/acc")
+    forced = parse_run(f"kl_cov={folder}")
+    fit_run(forced, "reward/acc")
     assert forced.fit_key == "reward/acc" and forced.fit.n_points == 60
 
 
@@ -346,10 +353,17 @@ def test_paired_difference_pairs_seeds_by_number_and_says_when_not_significant(t
     for metric, key in (("entropy (last 10)", "entropy/seq_mean"), ("train acc (last 10)", "reward/acc")):
         diffs = [last10(written["kl_cov"][s], key) - last10(written["grpo"][s], key) for s in (1, 2, 3)]
         mean, low, high = by_hand(diffs, (-math.inf, math.inf) if key == "entropy/seq_mean" else (-1, 1))
-        difference, interval, pairs, verdict = by_metric[metric]
+        difference, interval, pairs, verdict, t_p, sign_p, wilcoxon_p, power, needed = by_metric[metric]
         assert float(difference) == pytest.approx(mean, abs=6e-4) and pairs == "3"
         assert numbers(interval) == pytest.approx([low, high], abs=6e-4)
         assert verdict == ("excludes 0" if low > 0 or high < 0 else "not significant at 3 seeds")
+        # the p-values beside the interval: scipy's t-test and Wilcoxon, the sign test exact (3 pairs: at least 0.25)
+        assert float(t_p) == pytest.approx(ttest_1samp(diffs, 0).pvalue, abs=6e-4)
+        assert float(wilcoxon_p) == pytest.approx(wilcoxon(diffs).pvalue, abs=6e-4)
+        positives = sum(d > 0 for d in diffs)
+        assert float(sign_p) == pytest.approx(binomtest(positives, 3, 0.5).pvalue, abs=6e-4)
+        # power at the observed effect, by the noncentral t: more pairs needed when it is under 80%
+        assert 0 <= float(power) <= 1 and (int(needed) > 3) == (float(power) < 0.8)
     # KL-Cov's covariance is 0.02 lower every step, so its entropy ends about 0.4 higher: clearly significant
     assert by_metric["entropy (last 10)"][3] == "excludes 0"
     # the same train accuracy by construction (noise only): its interval holds 0
@@ -358,53 +372,49 @@ def test_paired_difference_pairs_seeds_by_number_and_says_when_not_significant(t
 
 
 def test_paired_difference_and_mean_interval_directly():
-    mod = load_module()
-    est = mod.mean_interval([0.2, 0.3, 0.4])
+    est = mean_interval([0.2, 0.3, 0.4])
     # s = 0.1 exactly, so the half-width is t(2) 0.1 / sqrt(3)
     assert est.mean == pytest.approx(0.3) and est.n == 3
     assert est.high - est.mean == pytest.approx(T95_2DF * 0.1 / math.sqrt(3), rel=1e-5)
-    assert mod.mean_interval([0.5]) == (0.5, None, None, 1)  # one seed: no interval
-    # cut to the quantity's range: the half-width here is 4.3 * 0.5 / sqrt(3) = 1.24
-    assert mod.mean_interval([0.0, 0.5, 1.0], (0.0, 1.0))[1:] == (0.0, 1.0, 3)
+    assert mean_interval([0.5]) == (0.5, None, None, 1, None, None)  # one seed: no interval
+    # cut to the quantity's range: the half-width here is 4.3 * 0.5 / sqrt(3) = 1.24; the uncut bounds are kept
+    cut = mean_interval([0.0, 0.5, 1.0], (0.0, 1.0))
+    half = T95_2DF * 0.5 / math.sqrt(3)
+    assert (cut.low, cut.high, cut.n) == (0.0, 1.0, 3) and cut.low_cut and cut.high_cut
+    assert (cut.low_uncut, cut.high_uncut) == pytest.approx((0.5 - half, 0.5 + half), rel=1e-5)
+    assert not est.low_cut and not est.high_cut and est.low == est.low_uncut
     # seed 4 has no baseline run: two pairs, differences 0.1 and 0.3
-    d = mod.paired_difference({"seed1": 0.5, "seed2": 0.7, "seed4": 9.0}, {"seed1": 0.4, "seed2": 0.4})
+    d = paired_difference({"seed1": 0.5, "seed2": 0.7, "seed4": 9.0}, {"seed1": 0.4, "seed2": 0.4})
     assert d.n == 2 and d.mean == pytest.approx(0.2)
     assert d.high - d.mean == pytest.approx(12.706205 * statistics.stdev([0.1, 0.3]) / math.sqrt(2), rel=1e-5)
-    assert mod.paired_difference({"seed1": 0.5}, {"seed2": 0.4}) is None
+    assert paired_difference({"seed1": 0.5}, {"seed2": 0.4}) is None
 
 
-def test_t_table_without_scipy(monkeypatch):
-    mod = load_module()
-    from scipy.stats import t
-
-    for df in (1, 2, 3, 5, 10, 30):
-        assert mod.t95(df) == pytest.approx(t.ppf(0.975, df), abs=1e-3)
-    monkeypatch.setattr(mod, "student_t", None)
-    for df in (1, 2, 3, 5, 10, 30, math.inf):
-        assert mod.t95(df) == pytest.approx(t.ppf(0.975, df), abs=1e-3)
-    # between two rows the smaller df's value: a slightly wider interval, never a narrower one
-    assert mod.t95(11) == 2.228 and mod.t95(11) > t.ppf(0.975, 11)
-    assert mod.t95(1000) == 1.980
+def test_t95_matches_a_printed_t_table():
+    # two-sided 95% quantiles of Student's t from a printed table, by degrees of freedom
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 6: 2.447, 10: 2.228, 30: 2.042, math.inf: 1.960}
+    for df, value in table.items():
+        assert t95(df) == pytest.approx(value, abs=1e-3)
+    assert t95(6) == pytest.approx(student_t.ppf(0.975, 6), rel=1e-12)
 
 
 def test_mechanism_pairs_each_steps_covariance_with_the_next_entropy_change(tmp_path):
-    mod = load_module()
     # hand-made: entropy at steps 0..5, covariance at 0..5; step 3 lacks entropy, so t = 2 and t = 3 drop out
     hs = {0: 0.70, 1: 0.66, 2: 0.65, 4: 0.55, 5: 0.52}
     covs = {0: 0.03, 1: 0.02, 2: 0.05, 3: 0.01, 4: 0.04, 5: 0.00}
     records = [{"step": s, "cov/mean": covs[s], **({"entropy/seq_mean": hs[s]} if s in hs else {})} for s in covs]
-    run = mod.parse_run(f"x={write_run_folder(tmp_path / 'x', records)}").runs[0]
-    x, y = mod.cov_entropy_change(run)
+    run = parse_run(f"x={write_run_folder(tmp_path / 'x', records)}").runs[0]
+    x, y, level = cov_entropy_points(run)
     assert x.tolist() == [0.03, 0.02, 0.04]  # t = 0, 1, 4 (t = 5 has no step 6)
     assert y == pytest.approx([0.66 - 0.70, 0.65 - 0.66, 0.52 - 0.55])
+    assert level.tolist() == [0.70, 0.66, 0.55]  # entropy at t itself, which the partial r holds fixed
 
 
 def test_pearson_and_its_fisher_interval_by_hand():
-    mod = load_module()
     rng = np.random.default_rng(3)
     x = rng.normal(0, 0.02, 60)
     y = -1.0 * x + rng.normal(0, 0.01, 60)
-    c = mod.pearson_interval(x, y)
+    c = pearson_interval(x, y)
     # Pearson by its definition, the interval by Fisher's z with the standard library
     dx, dy = x - x.mean(), y - y.mean()
     r = float((dx * dy).sum() / math.sqrt((dx**2).sum() * (dy**2).sum()))
@@ -412,9 +422,9 @@ def test_pearson_and_its_fisher_interval_by_hand():
     assert c.n == 60 and c.r == pytest.approx(r, abs=1e-12)
     assert (c.low, c.high) == pytest.approx((math.tanh(z - Z975 * se), math.tanh(z + Z975 * se)), abs=1e-6)
     assert c.r < 0 and c.high < 0
-    assert mod.pearson_interval(x[:3], y[:3]) is None  # Fisher's interval needs n > 3
-    assert mod.pearson_interval(np.ones(10), y[:10]) is None  # no spread: no correlation
-    assert mod.pearson_interval([1, 2, 3, 4], [2, 4, 6, 8]).r == pytest.approx(1.0)  # finite, at the bound
+    assert pearson_interval(x[:3], y[:3]) is None  # Fisher's interval needs n > 3
+    assert pearson_interval(np.ones(10), y[:10]) is None  # no spread: no correlation
+    assert pearson_interval([1, 2, 3, 4], [2, 4, 6, 8]).r == pytest.approx(1.0)  # finite, at the bound
 
 
 def test_mechanism_is_printed_over_all_runs_and_recovers_the_sign(tmp_path, capsys):
@@ -429,20 +439,32 @@ def test_mechanism_is_printed_over_all_runs_and_recovers_the_sign(tmp_path, caps
             ys += [b["entropy/seq_mean"] - a["entropy/seq_mean"] for a, b in zip(recs, recs[1:])]
     r = float(np.corrcoef(xs, ys)[0, 1])
     half = Z975 / math.sqrt(len(xs) - 3)
-    points, shown_r, interval = rows["all"]
-    assert int(points) == len(xs) == 3 * 3 * 24
+    points, shown_r, interval, boot, shown_partial, partial_fisher, partial_boot, n_runs = rows["all"]
+    assert int(points) == len(xs) == 3 * 3 * 24 and n_runs == "9"
     assert float(shown_r) == pytest.approx(r, abs=6e-4) and r < -0.5  # entropy follows minus the covariance
     fisher = [math.tanh(math.atanh(r) - half), math.tanh(math.atanh(r) + half)]
     assert numbers(interval) == pytest.approx(fisher, abs=6e-4)
+    # the partial r given entropy[t], by the closed form from the three pairwise correlations
+    zs = [r["entropy/seq_mean"] for seeds in written.values() for recs in seeds.values() for r in recs[:-1]]
+    r_xz, r_yz = np.corrcoef(xs, zs)[0, 1], np.corrcoef(ys, zs)[0, 1]
+    partial = (r - r_xz * r_yz) / math.sqrt((1 - r_xz**2) * (1 - r_yz**2))
+    assert float(shown_partial) == pytest.approx(partial, abs=6e-4)
+    half = Z975 / math.sqrt(len(xs) - 4)
+    fisher = [math.tanh(math.atanh(partial) - half), math.tanh(math.atanh(partial) + half)]
+    assert numbers(partial_fisher) == pytest.approx(fisher, abs=6e-4)
+    # the run-level bootstrap over nine runs is printed and holds its r; three runs alone are too few for one
+    for cell, value in ((boot, r), (partial_boot, partial)):
+        low, high = numbers(cell)
+        assert low < value < high
+    assert rows["grpo"][3] == rows["grpo"][6] == "n/a" and rows["grpo"][7] == "3"
     assert set(rows) == {"all", *STUDY}
     assert_png(tmp_path / "p" / "cov_entropy.png")
 
 
 def test_pass_at_k_curves_use_the_last_evaluation_of_each_run(tmp_path):
-    mod = load_module()
     written = write_study(tmp_path, {"grpo": 0.02, "kl_cov": 0.0}, seeds=(1, 2))
-    methods = mod.group_methods([mod.parse_run(spec) for spec in study_specs(tmp_path, written)])
-    curves = mod.pass_at_k_curves(methods)
+    methods = group_methods([parse_run(spec) for spec in study_specs(tmp_path, written)])
+    curves = pass_at_k_curves(methods)
     for method, seeds in written.items():
         assert [k for k, _ in curves[method]] == list(STUDY_KS)
         for k, est in curves[method]:
@@ -485,7 +507,6 @@ def test_a_run_without_its_final_evaluation_is_kept_with_a_note(tmp_path, capsys
 
 
 def test_seeds_of_different_lengths_are_fine(tmp_path, capsys):
-    mod = load_module()
     written = write_study(tmp_path, {"grpo": 0.02}, seeds=(1, 2))
     short = tmp_path / "grpo_seed3"
     short.mkdir()
@@ -503,22 +524,21 @@ def test_seeds_of_different_lengths_are_fine(tmp_path, capsys):
     assert "its runs have 25, 25, 20 steps" in out
     assert "method - grpo" not in out  # only the baseline: nothing to compare
     # the curve: steps 20-24 average the two long seeds only
-    steps, mean, low, high = mod.across_runs([(np.arange(3.0), np.array([1.0, 2, 3])), (np.arange(2.0), np.zeros(2))])
+    steps, mean, low, high = across_runs([(np.arange(3.0), np.array([1.0, 2, 3])), (np.arange(2.0), np.zeros(2))])
     assert steps.tolist() == [0, 1, 2] and mean.tolist() == [0.5, 1.0, 3.0]
     assert low.tolist() == [0, 0, 3] and high.tolist() == [1, 2, 3]
 
 
 def test_seeds_pair_by_number_else_by_order(tmp_path):
-    mod = load_module()
     folders = [write_run_folder(tmp_path / name, synthetic_records(*METHODS["grpo"])) for name in ("a", "b")]
-    methods = mod.group_methods([mod.parse_run(f"m={f}") for f in folders])
+    methods = group_methods([parse_run(f"m={f}") for f in folders])
     assert len(methods) == 1 and [r.seed for r in methods[0].runs] == ["run1", "run2"]
     study = write_study(tmp_path / "s", {"grpo": 0.02, "kl_cov": 0.0}, seeds=(2, 10))
     specs = study_specs(tmp_path / "s", study)
-    methods = mod.group_methods([mod.parse_run(s) for s in specs])
+    methods = group_methods([parse_run(s) for s in specs])
     assert [[r.seed for r in m.runs] for m in methods] == [["seed2", "seed10"], ["seed2", "seed10"]]
     # one method without numbers: all pair by order, so that "else by order" holds across methods
-    methods = mod.group_methods([mod.parse_run(s) for s in specs] + [mod.parse_run(f"m={f}") for f in folders])
+    methods = group_methods([parse_run(s) for s in specs] + [parse_run(f"m={f}") for f in folders])
     assert [[r.seed for r in m.runs] for m in methods] == [["run1", "run2"]] * 3
 
 
@@ -528,7 +548,8 @@ def test_one_seed_pair_has_no_interval(tmp_path, capsys):
     code, out, err = run_main(capsys, *study_specs(tmp_path, grpo), *study_specs(tmp_path, kl), "--out", tmp_path / "p")
     assert code == 0, err
     rows = {cells[0]: cells[1:] for cells in markdown_rows(out, "| method - grpo |")["kl_cov"]}
-    difference, interval, pairs, verdict = rows["entropy (last 10)"]
+    difference, interval, pairs, verdict, *tests = rows["entropy (last 10)"]
+    assert tests == ["n/a"] * 5  # no p-value, power or pairs needed from one pair
     last10 = [statistics.mean(r["entropy/seq_mean"] for r in recs[-10:]) for recs in (kl["kl_cov"][1], grpo["grpo"][1])]
     assert float(difference) == pytest.approx(last10[0] - last10[1], abs=6e-4)  # seed 1 against seed 1 only
     assert (interval, pairs, verdict) == ("n/a", "1", "one seed pair: no interval")
@@ -545,9 +566,8 @@ def test_knob_trajectories_are_drawn_only_for_runs_whose_controller_moved(tmp_pa
                 rec["entropy_ctl/bonus"] = 0.001 * seed if moved else 0.0
             path = tmp_path / "runs" / f"{method}_seed{seed}" / "metrics.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    plot = load_module()
-    methods = plot.group_methods([plot.parse_run(spec) for spec in study_specs(tmp_path / "runs", written)])
-    assert [plot.controller_moved(m) for m in methods] == [False, True]
+    methods = group_methods([parse_run(spec) for spec in study_specs(tmp_path / "runs", written)])
+    assert [controller_moved(m) for m in methods] == [False, True]
     code, _, _ = run_main(capsys, *study_specs(tmp_path / "runs", written), "--out", tmp_path / "plots")
     assert code == 0
     assert_png(tmp_path / "plots" / "knobs.png")
@@ -558,7 +578,6 @@ def test_knob_trajectories_are_drawn_only_for_runs_whose_controller_moved(tmp_pa
 
 
 def test_band_ceiling_recovers_the_noise_of_a_synthetic_reading(tmp_path):
-    plot = load_module()
     rng = np.random.default_rng(0)
     sigma, n = 0.2, 4000
     readings = 0.65 + rng.normal(0, sigma, n)  # true entropy at the band's centre, white noise on each reading
@@ -566,14 +585,14 @@ def test_band_ceiling_recovers_the_noise_of_a_synthetic_reading(tmp_path):
     folder.mkdir()
     (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "entropy/seq_mean": float(h)}) + "\n"
                                                   for i, h in enumerate(readings)))  # fmt: skip
-    got_sigma, best = plot.band_ceiling(plot.Run(folder), (0.5, 0.8))
+    got_sigma, best = band_ceiling(Run(folder), (0.5, 0.8))
     assert got_sigma == pytest.approx(sigma, rel=0.05)
     # the share of readings inside the band is what the normal model predicts from that sigma
     measured = float(np.mean((readings >= 0.5) & (readings <= 0.8)))
     assert best == pytest.approx(measured, abs=0.03) and best == pytest.approx(
         math.erf(0.15 / (sigma * 2**0.5)), abs=0.02
     )
-    assert plot.band_ceiling(plot.Run(folder), (0.5, 0.8), from_step=n - 2) is None  # too few readings
+    assert band_ceiling(Run(folder), (0.5, 0.8), from_step=n - 2) is None  # too few readings
 
 
 def test_per_seed_table_shows_each_run_against_the_baseline_of_its_seed(tmp_path, capsys):
@@ -638,3 +657,95 @@ def test_selection_table_gives_each_runs_selected_share_of_tokens_and_of_its_can
             assert cells[2] == f"{100 * sum(selected) / sum(inside):.0f}%"
         else:  # KL-Cov has no bounds
             assert cells[1:3] == ["n/a", "n/a"]
+
+
+def holm_by_hand(ps: list[float]) -> list[float]:
+    """Holm's adjusted p-values written out: sort, multiply the i-th smallest (from 0) by m - i, keep non-decreasing."""
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    adjusted, running = [0.0] * len(ps), 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - i) * ps[j]))
+        adjusted[j] = running
+    return adjusted
+
+
+def test_holm_lists_every_paired_test_and_a_named_family_alone(tmp_path, capsys):
+    written = write_study(tmp_path, STUDY)
+    specs = study_specs(tmp_path, written)
+    family = "kl_cov:train_acc,kl_cov:pass@*"
+    code, out, err = run_main(capsys, *specs, "--out", tmp_path / "p", "--family", family)
+    assert code == 0, err
+    paired = {}  # (method, metric) -> the t-test's p as the paired table prints it
+    for method, rows in markdown_rows(out, "| method - grpo |").items():
+        for metric, *cells in rows:
+            paired[method, metric] = float(cells[4])
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("Holm's correction over")]
+    assert len(heads) == 2 and "every paired t-test above" in lines[heads[0]] and family in lines[heads[1]]
+
+    def holm_rows(start: int) -> list[list[str]]:
+        rows = []
+        for line in lines[start + 3 :]:
+            if not line.startswith("| "):
+                break
+            rows.append([c.strip() for c in line.split("|")[1:-1]])
+        return rows
+
+    everything = holm_rows(heads[0])
+    # the whole family: every row of the paired table (two methods x 9 metrics: entropy, its log ratio, train and
+    # test accuracy, pass@1-16), in its order, with the same raw p
+    assert [(r[0], r[1]) for r in everything] == list(paired) and len(everything) == 2 * 9
+    raw = [paired[r[0], r[1]] for r in everything]
+    assert [float(r[2]) for r in everything] == raw
+    for row, adjusted in zip(everything, holm_by_hand(raw)):  # p printed to 3 significant digits
+        assert float(row[3]) == pytest.approx(adjusted, rel=0.01)
+        assert row[4] == ("survives" if float(row[3]) <= 0.05 else "does not survive")
+    named = holm_rows(heads[1])
+    assert [r[1] for r in named] == ["train acc (last 10)", *(f"pass@{k}" for k in STUDY_KS)]
+    raw = [paired["kl_cov", r[1]] for r in named]
+    assert [float(r[3]) for r in named] == pytest.approx(holm_by_hand(raw), rel=0.01)
+
+
+@pytest.mark.parametrize("family", ["kl_cov:train_ac", "train_acc", "nobody:*"])
+def test_a_family_naming_no_test_fails_with_one_line(tmp_path, capsys, family):
+    written = write_study(tmp_path, {"grpo": 0.02, "kl_cov": 0.0})
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p", "--family", family)
+    assert code == 2 and out == ""
+    assert f"--family {family}" in err and "kl_cov:train_acc" in err and err.count("\n") == 1
+
+
+def test_the_entropy_log_ratio_is_tested_paired_by_seed(tmp_path, capsys):
+    written = write_study(tmp_path, {"grpo": 0.02, "kl_cov": 0.0}, seeds=(1, 2, 3, 4, 5))
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p")
+    assert code == 0, err
+    rows = {cells[0]: cells[1:] for cells in markdown_rows(out, "| method - grpo |")["kl_cov"]}
+    difference, interval, pairs, _, t_p, sign_p, wilcoxon_p, _, _ = rows["ln(entropy / grpo) (last 10)"]
+    logs = [
+        math.log(statistics.mean(r["entropy/seq_mean"] for r in written["kl_cov"][s][-10:]))
+        - math.log(statistics.mean(r["entropy/seq_mean"] for r in written["grpo"][s][-10:]))
+        for s in range(1, 6)
+    ]
+    mean, sd = statistics.mean(logs), statistics.stdev(logs)
+    half = student_t.ppf(0.975, 4) * sd / math.sqrt(5)
+    assert pairs == "5" and float(difference) == pytest.approx(mean, abs=6e-4)
+    assert numbers(interval) == pytest.approx([mean - half, mean + half], abs=6e-4)
+    assert float(t_p) == pytest.approx(ttest_1samp(logs, 0).pvalue, rel=0.01)
+    assert float(sign_p) == pytest.approx(binomtest(sum(v > 0 for v in logs), 5).pvalue, abs=6e-4)
+    assert float(wilcoxon_p) == pytest.approx(wilcoxon(logs).pvalue, abs=6e-4)
+
+
+def test_a_bound_cut_to_the_range_is_marked_and_the_uncut_one_given(tmp_path, capsys):
+    # three seeds whose held-out accuracy spreads so far that the t-interval passes 0: 0.02, 0.30, 0.05
+    written = write_study(tmp_path, {"grpo": 0.02})
+    for seed, acc in zip((1, 2, 3), (0.02, 0.30, 0.05)):
+        records = written["grpo"][seed]
+        records[-1]["eval/acc"] = acc
+        (tmp_path / f"grpo_seed{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_main(capsys, *study_specs(tmp_path, written), "--out", tmp_path / "p")
+    assert code == 0, err
+    test_acc = markdown_rows(out, "| method | seeds |")["grpo"][5]
+    mean, sd = statistics.mean([0.02, 0.30, 0.05]), statistics.stdev([0.02, 0.30, 0.05])
+    low, high = mean - T95_2DF * sd / math.sqrt(3), mean + T95_2DF * sd / math.sqrt(3)
+    assert low < 0 and test_acc == f"{mean:.3f} [0.000*, {high:.3f}]"
+    footnote = next(line for line in out.splitlines() if line.startswith("* cut to the range"))
+    assert f"grpo test acc [{low:.3f}, {high:.3f}]" in footnote

@@ -1,0 +1,12 @@
+"""The small-scale study's tooling: several runs side by side, one method per label with one or several seeds.
+
+runs.py       reading runs (docs/runs/<arm>_seed<N>/metrics.jsonl, W&B offline folders, CSVs) and each run's
+              figures: final entropy and accuracy, pass@k, the share of steps in a band, the mechanism's points
+stats.py      the statistics, free of runs: t-intervals, paired tests (t, sign, Wilcoxon), power, Holm's
+              correction, Pearson and partial correlation with Fisher and run-level bootstrap intervals
+figures.py    the PNGs
+tables.py     the report's descriptive tables (markdown): values per method, seed by seed, pass@k, the fits
+inference.py  the report's paired comparisons with their p-values and power, Holm's correction and the mechanism
+              check
+plot_runs.py  the command line: python -m study.plot_runs LABEL=PATH ... (from the repository root)
+"""
