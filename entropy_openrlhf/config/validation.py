@@ -49,6 +49,12 @@ def validate(cfg: Config) -> list[str]:
         "needs the reference model (--ref.enabled true)",
     )
 
+    need(
+        cfg.reward.overlong_buffer_len <= r.max_new_tokens,
+        "reward.overlong_buffer_len",
+        f"{cfg.reward.overlong_buffer_len} is longer than --rollout.max_new_tokens {r.max_new_tokens}",
+    )
+
     sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     per_step = sequences // max(cfg.train.mini_batches, 1)
     need(

@@ -29,6 +29,7 @@ from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.algorithms.advantages import compute_advantages
 from entropy_openrlhf.algorithms.entropy_control import EntropyController
 from entropy_openrlhf.algorithms.objectives import get_objective
+from entropy_openrlhf.algorithms.overlong import overlong_penalty
 from entropy_openrlhf.cluster import NodeWatch
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.pipeline.batches import Batch, PromptStream, group_rewards
@@ -36,6 +37,7 @@ from entropy_openrlhf.pipeline.checkpoints import Checkpointing
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
 from entropy_openrlhf.pipeline.placement import actor_node_ids, addresses_by_group
+from entropy_openrlhf.rollouts import RolloutRequest, check_groups, get_rollout
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
 
@@ -81,6 +83,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.eval_results: list[tuple[int, dict[str, float]]] = []
         # --entropy.target: moves the objective's knob and the entropy bonus from each batch's entropy (when off:
         # scale 1, the bonus at --loss.entropy_coef)
+        self.rollout_fn = get_rollout(cfg.rollout.function)  # --rollout.function: how prompts become samples
         self.entropy_ctl = EntropyController(
             cfg.entropy, base_bonus=cfg.loss.entropy_coef, has_knob=bool(get_objective(cfg.loss.type).knobs)
         )
@@ -125,25 +128,34 @@ class Trainer(Checkpointing, NodeLossHandling):
     # ------------------------------------------------------------------ producer side
 
     def _generate_groups(self, prompts: list[PromptItem], metrics: dict[str, float]) -> list[list[Sample]]:
+        """One group of scored samples per prompt: the rollout function's (`--rollout.function`), then rewards."""
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
         t0 = time.time()
         with self.sync.engine_lock:  # a sync waits for the engines to finish (and reads no torn version)
-            samples = self.rollout.generate(
-                prompts,
-                n=n,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                max_new_tokens=cfg.rollout.max_new_tokens,
+            request = RolloutRequest(
+                prompts, n, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens,
                 seed=cfg.train.seed * 7919 + self.stream.epoch * 104_729 + self.stream.offset,
                 policy_version=self.sync.engine_version,
-            )
+            )  # fmt: skip
+            groups = self.rollout_fn(self.rollout, request)
+        check_groups(groups, request, cfg.rollout.function)
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + time.time() - t0
         t0 = time.time()
-        samples, reward_metrics = self.reward.score(samples)
+        samples, reward_metrics = self.reward.score([s for g in groups for s in g])
         metrics["time/reward"] = metrics.get("time/reward", 0.0) + time.time() - t0
         for k, v in reward_metrics.items():
             metrics.setdefault(k, v)
+        if cfg.reward.overlong_buffer_len:  # DAPO's soft penalty, in training only: evaluation scores the verifier's
+            penalties = [
+                overlong_penalty(len(s.response_token_ids), cfg.rollout.max_new_tokens,
+                                 cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
+                for s in samples
+            ]  # fmt: skip
+            for s, penalty in zip(samples, penalties):
+                s.reward += penalty
+                s.reward_info["overlong_penalty"] = penalty
+            metrics.setdefault("reward/overlong_penalty_mean", sum(penalties) / len(penalties))
         return [samples[i : i + n] for i in range(0, len(samples), n)]
 
     def _make_batch(self, step: int) -> Batch:
@@ -170,7 +182,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             flat = [s for g in groups for s in g]
             ref = self.reference.log_probs([s.prompt_token_ids for s in flat], [s.response_token_ids for s in flat])
             for s, lp in zip(flat, ref):
-                s.metadata = {**s.metadata, "ref_log_probs": lp}
+                s.ref_log_probs = lp
             metrics["time/reference"] = time.time() - t0
         metrics["rollout/engine_restarts"] = float(self.rollout.restarts)  # engines Ray restarted, so far
         return Batch(step, groups, metrics, (self.stream.epoch, self.stream.offset))
@@ -231,7 +243,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 response_ids=s.response_token_ids,
                 advantage=a,
                 rollout_log_probs=s.rollout_log_probs,
-                ref_log_probs=s.metadata.get("ref_log_probs"),
+                ref_log_probs=s.ref_log_probs,
             )
             for s, a in zip(flat, adv)
         ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from entropy_openrlhf.algorithms import entropy_control
 from entropy_openrlhf.algorithms.advantages import ESTIMATORS
 from entropy_openrlhf.algorithms.entropy_control import EntropyControlConfig
+from entropy_openrlhf.algorithms.loss_terms import AGG_MODES
 from entropy_openrlhf.algorithms.objectives import OBJECTIVES
 from entropy_openrlhf.config.base import Section, _failed
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
@@ -28,9 +29,14 @@ class LossOptions(Section):
     dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo (0 = off)")
     agg: str = _f(
         "token_mean",
-        "{choices}, normalised over the whole optimizer step",
-        choices=("token_mean", "seq_mean_token_mean"),
+        "{choices}, normalised over the whole optimizer step (docs/losses.md: verl's loss_agg_mode, TRL's loss_type)",
+        choices=AGG_MODES,
     )
+    agg_norm_len: int = _f(0, "seq_mean_token_sum_norm's constant length (Dr.GRPO); 0 = --rollout.max_new_tokens")
+    mask_truncated: bool = _f(
+        False, "responses cut at --rollout.max_new_tokens leave the loss and its normaliser (TRL's "
+        "mask_truncated_completions)",
+    )  # fmt: skip
     scope: str = _f(
         "micro_batch",
         "token selection (clip_cov, kl_cov, high_entropy) over: micro_batch (reference code) | global (the mini-batch, "
@@ -55,6 +61,7 @@ class LossOptions(Section):
             (self.type in OBJECTIVES, "loss.type", why),
             (self.clip_low >= 0 and self.clip_high >= 0, "loss.clip_low", "clip epsilons must be >= 0"),
             (self.dual_clip == 0 or self.dual_clip > 1, "loss.dual_clip", "must be 0 (off) or > 1"),
+            (self.agg_norm_len >= 0, "loss.agg_norm_len", "must be >= 0 (0 = --rollout.max_new_tokens)"),
             (
                 0 <= self.entropy_coef < float("inf"),  # NaN fails the comparison too
                 "loss.entropy_coef",

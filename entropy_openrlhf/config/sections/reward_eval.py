@@ -19,6 +19,11 @@ class RewardConfig(Section):
     timeout_s: float = _f(5.0, "per-sample verifier deadline; a timeout scores 0")
     num_cpus_per_worker: float = _f(0.25, "Ray CPUs per verifier worker")
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="verifier worker", example='{"cpu_pool": 1}'))
+    overlong_buffer_len: int = _f(
+        0, "DAPO's soft overlong penalty: a response longer than --rollout.max_new_tokens minus this many tokens "
+        "loses up to --reward.overlong_penalty_factor, linearly, added to its reward in training (0 = off)",
+    )  # fmt: skip
+    overlong_penalty_factor: float = _f(1.0, "the overlong penalty at the token limit itself (DAPO: 1)")
 
     def checks(self) -> list[str]:
         return (
@@ -26,6 +31,8 @@ class RewardConfig(Section):
             + _failed(
                 (self.num_workers >= 1, "reward.num_workers", "must be >= 1"),
                 (self.timeout_s > 0, "reward.timeout_s", "must be > 0"),
+                (self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0 (0 = off)"),
+                (self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0"),
             )
             + _custom_resource_errors(self.custom_resources, "reward")
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
+from entropy_openrlhf.rollouts import ROLLOUTS, get_rollout
 
 
 @dataclass
@@ -38,11 +39,23 @@ class RolloutConfig(Section):
     enable_prefix_caching: bool = _f(True, "vLLM prefix caching: the n samples of a prompt share its KV blocks")
     max_num_seqs: int = _f(0, "most sequences an engine runs at once (0 = vLLM's default for the device)")
     max_num_batched_tokens: int = _f(0, "most tokens an engine processes per step (0 = vLLM's default for the device)")
+    function: str = _f(
+        "single_turn",
+        "how a batch of prompts becomes groups of responses: a registered rollout function ("
+        + " | ".join(ROLLOUTS)
+        + ") or package.module:function (entropy_openrlhf/rollouts)",
+    )
 
     def checks(self) -> list[str]:
         gmu, tp = self.gpu_memory_utilization, self.tensor_parallel_size
+        try:
+            get_rollout(self.function)
+            function_error = ""
+        except ValueError as e:
+            function_error = str(e).removeprefix(f"--rollout.function {self.function!r}: ")
         return (
-            _failed(
+            _failed((not function_error, "rollout.function", function_error))
+            + _failed(
                 (self.batch_size >= 1, "rollout.batch_size", "must be >= 1"),
                 (self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1"),
                 (self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
