@@ -225,8 +225,10 @@ def mechanism_table(points: dict[str, list[MechanismPoints]]) -> str:
     run logged the covariance."""
     if not points:
         return ""
-    # "all" resamples each method's runs apart (strata): the mix of methods is the design, the seeds are random
-    groups = {"all": list(points.values())} if len(points) > 1 else {}
+    # "all" resamples the runs of every method together, one pool: resampled within each method instead, an arm of
+    # three runs would give a spread too small by about sqrt(2/3) (n runs resampled vary as (n - 1) / n of them);
+    # the pool adds the spread between methods' links, so its interval errs wide rather than narrow
+    groups = {"all": [[run for runs in points.values() for run in runs]]} if len(points) > 1 else {}
     groups.update({label: [runs] for label, runs in points.items()})
     lines = [
         f"mechanism: {COV_KEY} at step t against {ENTROPY_KEY}[t+1] - [t] (the paper: the change follows minus the "
@@ -252,8 +254,9 @@ def mechanism_table(points: dict[str, list[MechanismPoints]]) -> str:
             cells.append(_interval(_bootstrap(strata, partial_r)))
         lines.append(f"| {label} | {plain.n} | " + " | ".join(cells) + f" | {n_runs} |")
     lines.append(
-        f"run bootstrap: whole runs resampled with replacement within each method, {BOOTSTRAP_RESAMPLES} times (seed "
-        f"{BOOTSTRAP_SEED}), percentile interval; n/a under {MIN_BOOTSTRAP_RUNS} runs or with one run per method. "
+        f"run bootstrap: whole runs resampled with replacement (for 'all', from every method's runs pooled), "
+        f"{BOOTSTRAP_RESAMPLES} times (seed {BOOTSTRAP_SEED}), percentile interval; n/a under {MIN_BOOTSTRAP_RUNS} "
+        "runs. "
         "Partial r: cov and the change each regressed on entropy[t], the residuals correlated (Fisher with n - 4)."
     )
     return "\n".join(lines)
