@@ -79,8 +79,8 @@ class StandInPolicy:
         ray.get(self.actor.hold.remote(self.seconds))
         return {"loss/policy": 0.0}
 
-    def export_weights(self) -> dict:
-        return {}
+    def call_all(self, method: str, *args, timeout_s: float | None = None, what: str = "") -> list:
+        return [{}]  # the object-store sync's export (its only call here): nothing to move
 
     def shutdown(self) -> None:
         ray.kill(self.actor)

@@ -3,7 +3,7 @@
 For each model a real `PolicyGroup` (DeepSpeed on CPU) and a real `RolloutGroup` (vLLM engines) start on a local
 Ray, then the sync paths take turns, `--repeats` times each:
 - object store (`--sync.method object_store`): the policy exports its weights to the driver
-  (`PolicyGroup.export_weights`), which puts them once in Ray's object store, in `--sync.max_chunk_mb` chunks, for
+  (`PolicyActor.export_weights`), which puts them once in Ray's object store, in `--sync.max_chunk_mb` chunks, for
   every engine to reload (`ObjectStoreSync.publish` then `make_current`); the time is export + load, as the trainer
   spends it;
 - collective (`--sync.method collective`, what `auto` picks on CPU and GPU): the policy's rank 0 broadcasts every
@@ -110,7 +110,7 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
     rollout = None
     try:
         rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as a run with these flags starts them
-        state = policy.export_weights()
+        state = policy.call_all("export_weights")[0]
         megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         del state
@@ -137,7 +137,7 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
 
         def gap() -> float:
             seq = [sample.prompt_token_ids], [sample.response_token_ids]
-            engine_lp, policy_lp = rollout.sequence_log_probs(*seq)[0], policy.forward_log_probs(*seq)[0]
+            engine_lp, policy_lp = rollout.sequence_log_probs(*seq)[0], policy.call_all("forward_log_probs", *seq)[0][0]
             return max(abs(a - b) for a, b in zip(engine_lp, policy_lp, strict=True))
 
         def sync(path: str, check: bool) -> float:

@@ -1,104 +1,46 @@
 """The policy actor: one rank of the trainable model under DeepSpeed (the driver's handle is policy.PolicyGroup).
 
-One RL step on a rank's shard of the rollout batch:
-1. recompute the old log-probs (and token entropies) with the current weights, no grad (the first mini-batch's
-   come from its own training forward in 3, before any weight has moved, when the model has no dropout and the
-   selection is per micro-batch);
-2. split the shard into `train.mini_batches` optimizer steps, each into micro-batches;
-3. per micro-batch: forward, the objective `--loss.type` names (algorithms/objectives/: its token selection, then
-   its loss), backward; one optimizer
-   step per mini-batch, with the loss normalised over the whole mini-batch on all ranks so that micro-batching and
-   sharding do not change it.
-CPU machines use gloo and torch's fused AdamW (DeepSpeed's CPU optimizers need a minute of JIT builds); GPU clusters
-use NCCL. Nothing else differs.
+The actor holds the rank's state (the DeepSpeed engine, the policy version, the weight syncs' senders) and runs
+its calls; an RL step's work is in train_phases.py, whose phases `train_step` runs in order: the old log-probs of
+the shard, then one optimizer step per mini-batch on the objective `--loss.type` names. CPU machines use gloo and
+torch's fused AdamW (DeepSpeed's CPU optimizers need a minute of JIT builds); GPU clusters use NCCL. Nothing else
+differs.
 
-DeepSpeed, transformers' model classes and OpenRLHF's helpers (through actors/forward.py) are imported inside the
-actor's methods ("actor-only imports"), for two reasons. The driver imports this module too: PolicyGroup spawns
-this class, and would otherwise load them for nothing. And Ray imports this module in the actor's process before
-`__init__` runs, while those libraries read their settings when they are imported (DeepSpeed its DS_ACCELERATOR,
-huggingface_hub HF_HUB_OFFLINE), which `set_cpu_defaults` sets first.
+DeepSpeed, transformers and train_phases.py (which loads OpenRLHF's helpers) are imported inside the actor's methods
+("actor-only imports"), for two reasons. The driver imports this module too: PolicyGroup spawns this class, and
+would otherwise load them for nothing. And Ray imports this module in the actor's process before `__init__` runs,
+while those libraries read their settings when they are imported (DeepSpeed its DS_ACCELERATOR, huggingface_hub
+HF_HUB_OFFLINE), which `set_cpu_defaults` sets first.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import random
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
-from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
-from entropy_openrlhf.algorithms.metrics import entropy_stats
-from entropy_openrlhf.algorithms.objectives import (
-    LossContext,
-    TokenBatch,
-    get_objective,
-    objective_needs_entropy,
-    run_objective,
-    select_tokens,
-)
-from entropy_openrlhf.algorithms.selection import pooled_selection
+from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.models.dtype import resolve_dtype
 from entropy_openrlhf.rendezvous import init_default_group
-from entropy_openrlhf.sync.group import WeightSender
-
-
-@dataclass
-class TrainSample:
-    """What the policy needs of one response; the driver builds these from `Sample`s."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    advantage: float
-    rollout_log_probs: list[float]
-    ref_log_probs: list[float] | None = None
-
-
-MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean
-# each rank's value is its share of the mini-batch mean (aggregate's normaliser spans all ranks): summed over ranks
-SUMMED_LOSSES = ("loss/policy", "loss/entropy_bonus")
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-@dataclass
-class _Step:
-    """One train step on this rank: its settings, its micro-batches (mini-batch m is micro-batches
-    [m * micro_per_mini, (m + 1) * micro_per_mini)) with their per-token grids, and what the step learns of them
-    (old log-probs, entropies, IS weights, metrics) as it goes."""
-
-    step: int
-    params: Any  # the objective's settings, scaled by the entropy controller
-    select_globally: bool
-    needs_entropy: bool
-    bonus_coef: float
-    micro_per_mini: int
-    batches: list
-    advantages: list[torch.Tensor]
-    rollout_lp: list[torch.Tensor]
-    ref_lp: list[torch.Tensor] | None
-    old_lp: list[torch.Tensor | None]
-    entropies: list[torch.Tensor | None]
-    is_weights: list[torch.Tensor | None]
-    metrics: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, key: str, value: float) -> None:
-        self.metrics.setdefault(key, []).append(float(value))
+from entropy_openrlhf.sync.base import PolicyRank, RankSender
+from entropy_openrlhf.sync.factory import make_sender
 
 
 @ray.remote
 class PolicyActor:
+    """One DeepSpeed rank of the policy. The driver calls every method on all ranks at once, in one order
+    (actors/group.py `ActorGroup.call_all`): ranks meet in collectives in `train_step`, `export_weights`, the
+    checkpoints and the weight syncs' operations."""
+
     def __init__(self, cfg: Config, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
         # The device comes from the GPUs Ray gave this actor (launcher.py in OpenRLHF sets LOCAL_RANK the same way).
         device_index = local_device_index(
@@ -172,7 +114,10 @@ class PolicyActor:
                 f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
                 f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
             )
-        from entropy_openrlhf.actors.forward import use_shared_prefix  # actor-only imports (module docstring)
+        # actor-only imports (module docstring), after the model is built, where they have always run: forward.py
+        # registers flash-attn stand-ins (compat.py) that the model's loading has never seen
+        from entropy_openrlhf.actors.forward import use_shared_prefix
+        from entropy_openrlhf.actors.train_phases import RankSetup
 
         use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it; each batch brings its layout
         if cfg.actor.gradient_checkpointing:
@@ -183,7 +128,10 @@ class PolicyActor:
         self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and not any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         )
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.model_path = model_path  # save_hf copies its tokenizer and generation config
+        self.setup = RankSetup(cfg, rank, world_size, pad_id)  # what the step's phases read of this rank
+        self.senders: dict[str, RankSender] = {}  # one per weight sync method that runs code here (`sync`)
         # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
         optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -198,48 +146,6 @@ class PolicyActor:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.version = 0
 
-    # ------------------------------------------------------------------ helpers
-
-    def _batch(self, samples: list[TrainSample]):
-        return self._seq_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples]).to(
-            self.engine.device
-        )
-
-    def _seq_batch(self, prompt_ids: list[list[int]], response_ids: list[list[int]]):
-        from entropy_openrlhf.actors.forward import make_seq_batch  # actor-only imports (module docstring)
-
-        return make_seq_batch(
-            prompt_ids, response_ids, self.pad_id, shared_prefix=self.cfg.train.shared_prefix,
-            model_config=self.engine.module.config,
-        )  # fmt: skip
-
-    def _grid(self, values, batch, samples):
-        from entropy_openrlhf.actors.forward import to_token_grid  # actor-only imports (module docstring)
-
-        return to_token_grid(values, batch, [len(s.prompt_ids) for s in samples]).to(batch.mask.device)
-
-    def _all_reduce_sum(self, *values: float) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
-        if self.world_size > 1:
-            torch.distributed.all_reduce(t)
-        return t.tolist()
-
-    def _generator(self, step: int, mini: int, micro: int) -> torch.Generator:
-        # micro_batch scope: a different draw per rank; global scope: all ranks draw the same (they must agree).
-        rank = 0 if self.cfg.loss.scope == "global" else self.rank
-        seed = (self.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
-        return torch.Generator().manual_seed(seed)
-
-    def _pooled_selector(self, params, base: LossContext, generator: torch.Generator):
-        """The objective's selection over tokens pooled from a whole mini-batch (`pooled_selection`'s callback)."""
-        lc = self.cfg.loss
-
-        def select(tokens: TokenBatch, means: tuple[float, float]):
-            ctx = dataclasses.replace(base, cov_means=means, generator=generator)
-            return select_tokens(lc.type, params, lc, tokens, ctx)
-
-        return select
-
     # ------------------------------------------------------------------ the RL step
 
     def train_step(
@@ -248,15 +154,22 @@ class PolicyActor:
         """One RL step on this rank's shard. `strength_scale` multiplies the objective's controlled knob
         (--entropy.target; 1 = as configured); `entropy_coef` is the entropy bonus's coefficient for this step (the
         controller's; None = --loss.entropy_coef)."""
+        from entropy_openrlhf.actors.train_phases import (  # actor-only imports (module docstring)
+            old_log_probs,
+            optimizer_step,
+            prepare_step,
+            step_result,
+        )
+
         t0 = time.time()
-        s = self._prepare_step(samples, step, strength_scale, entropy_coef)
+        s = prepare_step(self.setup, self.engine, samples, step, strength_scale, entropy_coef)
         # 1. old log-probs and entropies with the weights the optimizer steps start from. The first mini-batch's
         # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
         # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
         # both keep the separate pass.
         first_from_training = self.dropout_free and not s.select_globally
         no_grad_from = s.micro_per_mini if first_from_training else 0  # the micro-batches the no-grad pass computes
-        self._old_log_probs(s, range(no_grad_from, len(s.batches)))
+        old_log_probs(self.setup, self.engine, s, range(no_grad_from, len(s.batches)))
         # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
         s.add("train/old_pass_micro_batches", len(s.batches) - no_grad_from)
 
@@ -264,193 +177,24 @@ class PolicyActor:
         self.engine.train()
         skipped = 0
         for mini in range(self.cfg.train.mini_batches):
-            if not self._optimizer_step(s, mini, old_from_training=first_from_training and mini == 0):
+            old_from_training = first_from_training and mini == 0
+            if not optimizer_step(self.setup, self.engine, s, mini, old_from_training):
                 skipped += 1
         self.version += 1
-        return self._step_result(s, skipped, t0)
+        lr = self.engine.optimizer.param_groups[0]["lr"]
+        return step_result(s, world_size=self.world_size, skipped=skipped, lr=lr, seconds=time.time() - t0)
 
-    def _prepare_step(
-        self, samples: list[TrainSample], step: int, strength_scale: float, entropy_coef: float | None
-    ) -> _Step:
-        """The shard cut into mini-batches of micro-batches, on the device, with their per-token grids, and the
-        settings of the objective for this step."""
-        cfg = self.cfg
-        mbs, n_mini = cfg.actor.micro_batch_size, cfg.train.mini_batches
-        per_mini = len(samples) // n_mini
-        if per_mini * n_mini != len(samples):
-            raise ValueError(f"{len(samples)} samples on rank {self.rank} do not split into {n_mini} mini-batches")
-        # mini-batch m is micro-batches [m * micro_per_mini, (m + 1) * micro_per_mini)
-        micro = [
-            samples[start + i : start + min(i + mbs, per_mini)]
-            for start in range(0, len(samples), per_mini)
-            for i in range(0, per_mini, mbs)
-        ]
-        batches = [self._batch(m) for m in micro]
+    def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
+        from entropy_openrlhf.actors.train_phases import response_log_probs  # actor-only imports (module docstring)
 
-        def grid(values_of) -> list[torch.Tensor]:  # one value per response token, as a (B, L) tensor per micro-batch
-            return [self._grid([values_of(s) for s in m], b, m) for m, b in zip(micro, batches)]
-
-        has_ref = all(s.ref_log_probs is not None for s in samples)
-        lc = cfg.loss
-        objective = get_objective(lc.type)
-        return _Step(
-            step=step,
-            params=objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob),
-            select_globally=lc.scope == "global" and objective.select is not None,
-            needs_entropy=objective_needs_entropy(lc.type, lc),
-            bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
-            micro_per_mini=len(micro) // n_mini,
-            batches=batches,
-            advantages=grid(lambda s: [s.advantage] * len(s.response_ids)),
-            rollout_lp=grid(lambda s: s.rollout_log_probs),
-            ref_lp=grid(lambda s: s.ref_log_probs) if has_ref else None,
-            old_lp=[None] * len(batches),
-            entropies=[None] * len(batches),
-            is_weights=[None] * len(batches),
-        )
-
-    def _old_log_probs(self, s: _Step, indices: range) -> None:
-        """The no-grad pass: old log-probs and token entropies of the micro-batches `indices`, then their metrics."""
-        from entropy_openrlhf.actors.forward import forward_log_probs  # actor-only imports (module docstring)
-
-        self.engine.eval()
-        with torch.no_grad():
-            for i in indices:
-                lp, s.entropies[i] = forward_log_probs(self.engine, s.batches[i], with_entropy=True)
-                s.old_lp[i] = lp.float()
-        for i in indices:
-            self._observe_old(s, i)
-
-    def _observe_old(self, s: _Step, i: int) -> None:
-        """Metrics of micro-batch i's old log-probs against the rollout and the reference; its IS weights."""
-        from openrlhf.models.utils import compute_approx_kl  # actor-only imports (module docstring)
-
-        cfg = self.cfg
-        b, lp, r = s.batches[i], s.old_lp[i], s.rollout_lp[i]
-        if cfg.use_is_correction:
-            s.is_weights[i] = torch.exp((lp - r).clamp(-20, 20)).clamp(max=cfg.async_.is_cap)
-        n = int(b.mask.sum())
-        if n == 0:
-            return
-        es = entropy_stats(s.entropies[i], b.mask)
-        s.add("entropy/token_mean", es["token_mean"])
-        s.add("entropy/seq_mean", es["seq_mean"])
-        s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
-        # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
-        gap = (r - lp).abs() * b.mask
-        s.add("rollout/logprob_diff_max", float(gap.max()))
-        s.add("rollout/logprob_diff_mean", float(gap.sum() / n))
-        if s.ref_lp is not None:
-            kl = compute_approx_kl(lp, s.ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
-            s.add("kl/ref", float((kl * b.mask).sum() / n))
-        if s.is_weights[i] is not None:
-            w = s.is_weights[i]
-            s.add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
-            s.add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
-
-    def _optimizer_step(self, s: _Step, mini: int, old_from_training: bool) -> bool:
-        """Mini-batch `mini`: its selection (global scope), then forward, loss and backward per micro-batch, and one
-        optimizer step. `old_from_training`: its old log-probs come from these forwards. Whether DeepSpeed applied
-        the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they were)."""
-        lc = self.cfg.loss
-        idx = list(range(mini * s.micro_per_mini, (mini + 1) * s.micro_per_mini))
-        local_tokens = sum(float(s.batches[i].mask.sum()) for i in idx)
-        local_seqs = sum(float((s.batches[i].mask.sum(-1) > 0).sum()) for i in idx)
-        tokens, sequences = self._all_reduce_sum(local_tokens, local_seqs)
-        base = LossContext(
-            clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
-            tokens=tokens, sequences=sequences, dp_size=self.world_size, micro_batches=s.micro_per_mini,
-        )  # fmt: skip
-        selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
-        if s.select_globally:
-            selections, base = self._select_globally(s, mini, idx, base)
-        for j, i in enumerate(idx):
-            # micro_batch scope: selections[i] is None and the objective selects here
-            ctx = dataclasses.replace(base, generator=self._generator(s.step, mini, j), selected=selections[i])
-            self._train_micro_batch(s, i, ctx, old_from_training)
-        if not self.engine.was_step_applied():
-            return False
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is not None:
-            s.add("train/grad_norm", float(grad_norm))
-        return True
-
-    def _select_globally(
-        self, s: _Step, mini: int, idx: list[int], base: LossContext
-    ) -> tuple[dict[int, torch.Tensor], LossContext]:
-        """`--loss.scope global`: the objective's selection over the whole mini-batch on all ranks; the masks per
-        micro-batch and the loss context that carries the pooled means and count."""
-        from entropy_openrlhf.actors.forward import forward_log_probs  # actor-only imports (module docstring)
-
-        if mini == 0:  # the weights have not moved yet this step: the old pass's values are current
-            current = [(s.old_lp[i], s.entropies[i]) for i in idx]
-        else:
-            with torch.no_grad():
-                current = [forward_log_probs(self.engine, s.batches[i], with_entropy=s.needs_entropy) for i in idx]
-        pooled = [
-            TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
-            for (lp, ent), i in zip(current, idx)
-        ]
-        select = self._pooled_selector(s.params, base, self._generator(s.step, mini, 0))
-        masks, cov_means, total, selection_metrics = pooled_selection(pooled, select, with_entropy=s.needs_entropy)
-        for k, v in selection_metrics.items():
-            s.add(k, v)
-        return dict(zip(idx, masks)), dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))
-
-    def _train_micro_batch(self, s: _Step, i: int, ctx: LossContext, old_from_training: bool) -> None:
-        """Forward, the objective's loss (plus the KL and entropy-bonus terms) and backward of micro-batch i."""
-        from openrlhf.models.utils import compute_approx_kl  # actor-only imports (module docstring)
-
-        from entropy_openrlhf.actors.forward import forward_log_probs
-
-        cfg, lc, b = self.cfg, self.cfg.loss, s.batches[i]
-        with_bonus = s.bonus_coef > 0  # at 0 no entropy gradient is computed: the bonus off costs nothing
-        lp, ent = forward_log_probs(
-            self.engine, b, with_entropy=s.needs_entropy or old_from_training, entropy_grad=with_bonus
-        )
-        if old_from_training:
-            s.old_lp[i], s.entropies[i] = lp.detach().float(), ent.detach()
-            self._observe_old(s, i)
-        # the objective's selection reads the entropy detached; only the bonus differentiates it
-        entropy = ent.detach() if s.needs_entropy else None
-        out, selection_metrics = run_objective(
-            lc.type, s.params, lc, ctx, lp, s.old_lp[i], s.advantages[i], b.mask, entropy=entropy,
-            is_weights=s.is_weights[i],
-        )  # fmt: skip
-        for k, v in selection_metrics.items():
-            s.add(k, v)
-        loss = out.loss
-        if cfg.algo.kl_coef > 0 and s.ref_lp is not None:
-            kl = compute_approx_kl(lp, s.ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
-            loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, lc.agg, ctx.normalizer, self.world_size)
-        if with_bonus:
-            bonus = entropy_bonus(ent, b.mask, s.bonus_coef, lc.agg, ctx.normalizer, self.world_size)
-            loss = loss + bonus
-            s.add("loss/entropy_bonus", -bonus.item())
-        # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
-        self.engine.backward(loss, scale_wrt_gas=False)
-        self.engine.step()
-        s.add("loss/policy", out.loss.item())
-        for k, v in out.metrics.items():
-            s.add(f"loss/{k}" if not k.startswith("cov_") else f"cov/{k[4:]}", v)
-
-    def _step_result(self, s: _Step, skipped: int, t0: float) -> dict[str, float]:
-        """The step's metrics on this rank, reduced over its micro-batches."""
-        result = {k: max(v) if k in MAX_METRICS else mean(v) for k, v in s.metrics.items()}
-        # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
-        for key in SUMMED_LOSSES:
-            result[key] = mean(s.metrics.get(key, [])) * s.micro_per_mini / self.world_size
-        result["loss/entropy_coef"] = s.bonus_coef
-        result["train/skipped_steps"] = float(skipped)
-        result["train/lr"] = float(self.engine.optimizer.param_groups[0]["lr"])
-        result["time/train_actor"] = time.time() - t0
-        result["train/tokens"] = float(sum(float(b.mask.sum()) for b in s.batches))
-        return result
+        return response_log_probs(self.setup, self.engine, prompt_ids, response_ids)
 
     # ------------------------------------------------------------------ weights out
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards)."""
+        """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards). The policy's
+        own, whatever syncs them: the object-store sync, a restarted engine's reload and `save_hf` read them."""
         import deepspeed  # actor-only imports (module docstring)
 
         # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU
@@ -461,29 +205,25 @@ class PolicyActor:
                     state[name] = param.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
 
-    # collective weight sync (sync/group.py): rank 0 broadcasts to the rollout engines, ZeRO-3 ranks help gather
+    def sync(self, method: str, op: str, *args: Any) -> Any:
+        """Operation `op` of weight sync `method`'s side on this rank (sync/, e.g. collective.py's CollectiveSender:
+        open, join, broadcast), built on the method's first call and kept: the driver's `WeightSync.on_policy`."""
+        sender = self.senders.get(method)
+        if sender is None:
+            here = PolicyRank(self.engine.module, self.rank, self.world_size, zero3=self.cfg.actor.zero_stage == 3)
+            sender = self.senders[method] = make_sender(method, here)
+        return sender.run(op, *args)
 
-    def open_weight_sync(self, world_size: int, backend: str, timeout_s: float):
-        """Every rank: prepare to send. Rank 0 also hosts the group's store and returns its SyncEndpoint."""
-        if getattr(self, "weight_sender", None) is not None:
-            self.weight_sender.close()
-        self.weight_sender = WeightSender(self.engine.module, rank=self.rank, zero3=self.cfg.actor.zero_stage == 3)
-        return self.weight_sender.open(ray.util.get_node_ip_address(), world_size, backend, timeout_s)
-
-    def join_weight_sync(self) -> None:
-        self.weight_sender.join()
-
-    def broadcast_weights(self) -> int:
-        return self.weight_sender.broadcast()
-
-    def save_hf(self, path: str, source_model: str | None = None) -> None:
-        """Rank 0 writes the weights and config; with `source_model`, also its tokenizer files, chat template and
-        generation config (written here, on rank 0's node, which reads the model folder anyway)."""
+    def save_hf(self, path: str) -> None:
+        """A complete HF folder, written by rank 0: the weights and config, plus the tokenizer (with its chat
+        template) and generation config of the model the run started from, so vLLM and transformers load it with
+        nothing else at hand (written here, on rank 0's node, which reads the model folder anyway)."""
         state = self.export_weights()
         if self.rank == 0:
             self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
-            if source_model is not None:
-                copy_tokenizer_and_generation_config(source_model, path)
+            copy_tokenizer_and_generation_config(self.model_path, path)
+
+    # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str, tag: str) -> None:
         self.engine.save_checkpoint(path, tag=tag)
@@ -505,6 +245,8 @@ class PolicyActor:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
 
+    # ------------------------------------------------------------------ about this rank
+
     def get_version(self) -> int:
         return self.version
 
@@ -514,16 +256,6 @@ class PolicyActor:
     def device_report(self) -> tuple[str, bool]:
         """Where this rank runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
         return f"node {ray.util.get_node_ip_address()}", torch.cuda.is_available()
-
-    def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
-        from entropy_openrlhf.actors.forward import forward_log_probs  # actor-only imports (module docstring)
-
-        b = self._seq_batch(prompt_ids, response_ids).to(self.engine.device)
-        self.engine.eval()
-        with torch.no_grad():
-            lp, _ = forward_log_probs(self.engine, b)
-        return [lp[i][b.mask[i].bool()].float().tolist() for i in range(len(prompt_ids))]
 
 
 def _private_host_bytes() -> int:

@@ -13,9 +13,6 @@ gathers parameters from all of them.
 from __future__ import annotations
 
 import math
-import time
-
-import ray
 
 from entropy_openrlhf.actors.group import ActorGroup
 from entropy_openrlhf.actors.reference_actor import ReferenceActor, reference_ds_config
@@ -36,22 +33,6 @@ def deal_micro_batches(n: int, micro_batch_size: int, world_size: int) -> tuple[
     forwards = math.ceil(math.ceil(n / micro_batch_size) / world_size)
     span = forwards * micro_batch_size
     return [(min(r * span, n), min((r + 1) * span, n)) for r in range(world_size)], forwards
-
-
-def _get_all(refs: list[ray.ObjectRef], what: str, timeout_s: float) -> list:
-    """ray.get of every rank's call with one deadline. A rank that fails raises at once: its peers would otherwise
-    wait in a collective for it until their own timeout."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise TimeoutError(
-                f"{what} did not answer within {timeout_s:.0f} s (--ref.timeout_s): {len(pending)} rank(s) still "
-                "running"
-            )
-        ray.get(ready)
-    return ray.get(refs)
 
 
 class ReferenceGroup(ActorGroup):
@@ -86,8 +67,6 @@ class ReferenceGroup(ActorGroup):
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """One list of per-token reference log-probs per response, in order, from all ranks."""
         shards, forwards = deal_micro_batches(len(prompt_ids), reference_micro_batch_size(self.cfg), len(self.actors))
-        refs = [
-            actor.log_probs.remote(prompt_ids[start:end], response_ids[start:end], forwards)
-            for actor, (start, end) in zip(self.actors, shards)
-        ]
-        return [lp for part in _get_all(refs, self.what, self.cfg.ref.timeout_s) for lp in part]
+        per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
+        parts = self.call_each("log_probs", per_rank, timeout_s=self.cfg.ref.timeout_s, what="--ref.timeout_s")
+        return [lp for part in parts for lp in part]

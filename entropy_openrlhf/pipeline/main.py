@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         start_step = trainer.resume() if cfg.train.resume else 0
         history = trainer.run(tracker, start_step=start_step)
         final = Path(cfg.train.output_dir) / "final"
-        trainer.policy.save_hf(str(final))  # weights, config, tokenizer and generation config
+        trainer.policy.call_all("save_hf", str(final))  # weights, config, tokenizer and generation config
         if history:  # empty when resuming a run whose last checkpoint is its final step
             print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)

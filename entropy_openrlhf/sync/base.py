@@ -1,4 +1,4 @@
-"""What the trainer asks of a weight sync, whatever moves the weights.
+"""What the trainer asks of a weight sync, whatever moves the weights, and what a sync may ask of the policy's ranks.
 
 A run has one `WeightSync` (factory.py builds it from `--sync.*`). The trainer calls four things:
 
@@ -12,7 +12,10 @@ The rollout group calls one more, `engine_back`, when Ray has restarted an engin
 initial model, and only the sync knows where the current weights are (a kept copy, or a fresh export).
 
 Each method lives in its own file with both of its ends: object_store.py (chunks through Ray's object store) and
-collective.py (a broadcast group, group.py holding the ranks' side). receiver.py is the engines' side of both.
+collective.py (a broadcast group). A method that runs code of its own on the policy's ranks says so with a
+`RankSender` subclass (its `sender`): every policy rank hosts one per method and runs its operations when the driver
+asks (`WeightSync.on_policy`, through `PolicyActor.sync`), as receiver.py is the engines' side of both methods.
+group.py is the broadcast group's transport, chunks.py the object store's wire format.
 """
 
 from __future__ import annotations
@@ -20,32 +23,87 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import ray
+import torch
 
 from entropy_openrlhf.sync.chunks import DEFAULT_MAX_CHUNK_MB
 
-
 # What the sync uses of the actor groups it drives, so that it sits below them (actors/rollout.py, actors/policy.py
 # are what a run passes in; tests pass stand-ins).
+
+
+class RemoteMethod(Protocol):
+    """A method of a Ray actor handle: `.remote(*args)` submits the call and returns its ref."""
+
+    def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef: ...
+
+
+class EngineHandle(Protocol):
+    """One rollout engine's Ray handle (actors/engine.py's RolloutEngine): the calls a sync makes on it."""
+
+    update_weights: RemoteMethod  # (chunk refs, version): load the object store's chunks
+    init_weight_sync: RemoteMethod  # (host, port, rank offset, world size, backend, timeout): join the broadcast
+    receive_weights: RemoteMethod  # (weight list, version): take one broadcast and load it
+    identity: RemoteMethod  # () -> (policy version held, process incarnation)
+    device_report: RemoteMethod  # () -> (where it runs, whether it sees CUDA)
+
+
 class Engines(Protocol):
-    actors: list  # the engines' Ray handles (RolloutEngine: update_weights, init_weight_sync, receive_weights, ...)
+    """The rollout group (actors/rollout.py's RolloutGroup)."""
+
+    actors: Sequence[EngineHandle]
     version: int  # the policy version every engine holds; the sync sets it
     tensor_parallel_size: int
     num_gpus_per_engine: float
+    weight_sync: WeightSync | None  # the sync attaches itself here (WeightSync.__init__)
 
     def recover(self, i: int, why: str, died: bool, reload: bool = True) -> None: ...
 
 
 class Policy(Protocol):
-    actors: list  # the policy ranks' Ray handles
-    cfg: Any
+    """The policy group (actors/policy.py's PolicyGroup): its calls on every rank are actors/group.py's
+    `ActorGroup.call_all` and company, which submit in one order on all ranks."""
 
-    def export_weights(self, timeout_s: float | None = None) -> dict: ...
-    def open_weight_sync(self, world_size: int, backend: str, timeout_s: float) -> Any: ...
-    def join_weight_sync_async(self) -> ray.ObjectRef: ...
-    def broadcast_weights_async(self) -> list[ray.ObjectRef]: ...
+    cfg: Any  # the run's Config (its --actor.* settings); config.py imports this package, so it is not named here
+
+    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, what: str = "") -> list: ...
+    def call_all_async(self, method: str, *args: Any) -> list[ray.ObjectRef]: ...
+    def wait(
+        self, refs: list[ray.ObjectRef], method: str, *, timeout_s: float | None = None, what: str = ""
+    ) -> list: ...
+
+
+@dataclass(frozen=True)
+class PolicyRank:
+    """What a sender knows of the policy rank that hosts it (PolicyActor builds it)."""
+
+    module: torch.nn.Module  # the trained transformers model: its named_parameters() are the weights, HF-named
+    rank: int
+    world_size: int
+    zero3: bool  # ZeRO-3 partitions every parameter: every rank takes part in gathering each one
+
+
+class RankSender:
+    """A sync method's side on each policy rank. The rank builds it on the method's first call and keeps it;
+    the driver runs one of its public methods on every rank at once (`WeightSync.on_policy`), in the order the
+    group submits all its calls, so the ranks meet in the same collectives."""
+
+    def __init__(self, host: PolicyRank):
+        self.host = host
+
+    def run(self, op: str, *args: Any) -> Any:
+        """`op(*args)` on this sender; its public methods are its operations."""
+        method = None if op.startswith("_") or op == "run" else getattr(self, op, None)
+        if not callable(method):
+            raise AttributeError(f"{type(self).__name__} (policy rank {self.host.rank}) has no operation {op!r}")
+        return method(*args)
+
+    def close(self) -> None:
+        """Release what the sender holds (a group, a store); it may be opened again."""
 
 
 class WeightSyncTimeoutError(TimeoutError):
@@ -93,6 +151,7 @@ class WeightSync(ABC):
     sync. `max_chunk_mb`: the chunks a restarted engine is reloaded through, whatever the method (object_store.py)."""
 
     method: ClassVar[str]  # its --sync.method name
+    sender: ClassVar[type[RankSender] | None] = None  # its side on the policy ranks, if it runs code there
 
     def __init__(
         self,
@@ -106,6 +165,15 @@ class WeightSync(ABC):
         self.engine_lock = threading.Lock()
         self.metrics: dict[str, float] = {}  # timings a sync on the trainer thread measured, logged with its step
         rollout.weight_sync = self
+
+    def on_policy(self, op: str, *args: Any, timeout_s: float | None = None, what: str = "") -> list:
+        """Run operation `op` of this method's sender on every policy rank; their answers, in rank order (the
+        group's deadline and errors: actors/group.py `ActorGroup.wait`)."""
+        return self.policy.wait(self.on_policy_async(op, *args), f"{self.method}.{op}", timeout_s=timeout_s, what=what)
+
+    def on_policy_async(self, op: str, *args: Any) -> list[ray.ObjectRef]:
+        """`on_policy` without the wait: one ref per rank, for a caller that waits on them with the engines'."""
+        return self.policy.call_all_async("sync", self.method, op, *args)
 
     @property
     def engine_version(self) -> int:

@@ -4,6 +4,8 @@ The policy's rank 0 and every vLLM worker of every engine form one group of thei
 NCCL (vLLM's PyNccl) when every member has CUDA, the rest of the code shared. `setup` builds it once; each
 `update_weights` has the policy broadcast its weights tensor by tensor (ZeRO-3 gathers one parameter at a time)
 while the workers receive and load them through the same reload function as the object-store path (receiver.py).
+This file holds both ends on the trainer's side: `CollectiveSync` on the driver and `CollectiveSender` on every
+policy rank, whose `open`, `join` and `broadcast` the driver runs there (`WeightSync.on_policy`).
 Both sides are Ray calls issued together and timed; a side that does not finish within the timeout raises
 `WeightSyncTimeoutError` and closes the group (the stuck side's broadcast errors out after the group's own timeout).
 
@@ -24,24 +26,115 @@ import logging
 import time
 
 import ray
+import torch
+import torch.distributed as dist
 
 from entropy_openrlhf.sync.base import (
     Engines,
     Policy,
+    PolicyRank,
+    RankSender,
     WeightSync,
     WeightSyncTimeoutError,
     register_sync_method,
     wait_for_sync,
 )
-from entropy_openrlhf.sync.group import SyncEndpoint, WeightSyncError, check_devices, choose_backend
+from entropy_openrlhf.sync.group import (
+    SyncEndpoint,
+    WeightMeta,
+    WeightSyncError,
+    WeightSyncGroup,
+    check_devices,
+    choose_backend,
+)
 from entropy_openrlhf.sync.object_store import export_chunks, load_into_engine
 
 log = logging.getLogger(__name__)
 
 
+def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions keep the full shape in ds_shape
+
+
+class CollectiveSender(RankSender):
+    """The policy ranks' side: rank 0 hosts the group's store and broadcasts; under ZeRO-3 the other ranks take
+    part in each parameter's gather.
+
+    The module's `named_parameters()` (the tied lm_head is the embedding, listed once) fixes the order of the
+    broadcast; the list sent to the engines is built from the same iteration, so both sides agree by construction.
+    """
+
+    def __init__(self, host: PolicyRank):
+        super().__init__(host)
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        self.store: dist.TCPStore | None = None  # rank 0, between open and close
+        self.group: WeightSyncGroup | None = None  # rank 0, between join and close
+        self._group_settings: tuple[int, str, float] = (0, "gloo", 0.0)  # world size, backend, timeout (open's)
+
+    def open(self, world_size: int, backend: str, timeout_s: float) -> SyncEndpoint | None:
+        """Every rank: take the parameter list afresh, leaving any earlier group. Rank 0 also starts the group's
+        rendezvous store on its node and returns where it is and what it will send; the other ranks return None."""
+        self.close()
+        self.params = list(self.host.module.named_parameters())
+        if self.host.rank != 0:
+            return None
+        host = ray.util.get_node_ip_address()
+        self.store = WeightSyncGroup.host_store(host, world_size, timeout_s)
+        self._group_settings = (world_size, backend, timeout_s)
+        meta: list[WeightMeta] = [(n, str(p.dtype).removeprefix("torch."), _full_shape(p)) for n, p in self.params]
+        return SyncEndpoint(host=host, port=self.store.port, backend=backend, meta=meta)
+
+    def join(self) -> None:
+        """Rank 0: build the group (returns once every engine worker has joined it). The other ranks: nothing."""
+        if self.host.rank != 0:
+            return
+        if self.store is None:
+            raise WeightSyncError("the weight sync store is not open: call open() on rank 0 first")
+        self.group = WeightSyncGroup(self.store, 0, *self._group_settings)
+
+    def broadcast(self) -> int:
+        """Send every weight; every rank must call it when ZeRO-3 shards the parameters. Returns the count."""
+        # here, not at the top: the driver imports this module too (factory.py), and only a policy rank has
+        # DeepSpeed loaded, after its actor set DS_ACCELERATOR (policy_actor.py)
+        import deepspeed
+
+        rank0 = self.host.rank == 0
+        if rank0 and self.group is None:
+            raise WeightSyncError("the weight sync group is not set up: CollectiveSync.setup first")
+        failure: BaseException | None = None
+        for _, param in self.params:
+            with deepspeed.zero.GatheredParameters([param], enabled=self.host.zero3):
+                if rank0 and failure is None:
+                    try:
+                        self.group.send(param.data)
+                        # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
+                        if self.host.zero3:
+                            self.group.finish()
+                    except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are done gathering
+                        failure = e
+                        self.close()  # engines still waiting on rank 0 fail now, not at the group's timeout
+            # after a failure rank 0 keeps taking part in the gathers: under ZeRO-3 the other ranks would otherwise
+            # wait for it in the next one
+        if rank0 and failure is None:
+            try:
+                self.group.finish()
+            except Exception as e:  # noqa: BLE001 - raised below
+                failure = e
+                self.close()
+        if failure is not None:
+            raise failure
+        return len(self.params)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self.store = None, None
+
+
 @register_sync_method
 class CollectiveSync(WeightSync):
     method = "collective"
+    sender = CollectiveSender
 
     def __init__(self, rollout: Engines, policy: Policy, **settings: float):
         super().__init__(rollout, policy, **settings)
@@ -67,7 +160,7 @@ class CollectiveSync(WeightSync):
         engines, policy, timeout_s = self.rollout.actors, self.policy, self.timeout_s
         tp = self.rollout.tensor_parallel_size
         world_size = 1 + len(engines) * tp
-        reports = [policy.actors[0].device_report.remote()] + [a.device_report.remote() for a in engines]
+        reports = [policy.call_all_async("device_report")[0]] + [a.device_report.remote() for a in engines]
         try:
             (policy_where, policy_cuda), *engine_reports = ray.get(reports, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -85,12 +178,12 @@ class CollectiveSync(WeightSync):
         )
         backend = choose_backend(policy_on_gpu=policy_cuda, engines_on_gpu=all(engines_cuda))
         self.endpoint = None
-        endpoint = policy.open_weight_sync(world_size, backend, timeout_s)
+        endpoint = self.on_policy("open", world_size, backend, timeout_s)[0]
         joins = [
             actor.init_weight_sync.remote(endpoint.host, endpoint.port, 1 + i * tp, world_size, backend, timeout_s)
             for i, actor in enumerate(engines)
         ]
-        wait_for_sync(joins, [policy.join_weight_sync_async()], "setting up the weight sync group", timeout_s)
+        wait_for_sync(joins, self.on_policy_async("join"), "setting up the weight sync group", timeout_s)
         self.endpoint = endpoint
         self._members = [incarnation for _, incarnation in self._identities("after joining the group")]
         return time.time() - t0
@@ -126,7 +219,7 @@ class CollectiveSync(WeightSync):
         t0 = time.time()
         self._recover_dead_engines(version)
         receives = [actor.receive_weights.remote(self.endpoint.meta, version) for actor in self.rollout.actors]
-        sends = self.policy.broadcast_weights_async()
+        sends = self.on_policy_async("broadcast")
         try:
             wait_for_sync(receives, sends, f"weight sync to policy version {version}", self.timeout_s)
         except WeightSyncTimeoutError:

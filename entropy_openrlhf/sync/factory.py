@@ -3,7 +3,8 @@ run gets from them.
 
 Every module of this package is imported here, so a method registers itself by being a file of the package:
 `sync/<name>.py` holding a `WeightSync` subclass with `method = "<name>"` under `@register_sync_method` is
-`--sync.method <name>`, nothing else to edit (README, 'Adding a weight sync method').
+`--sync.method <name>`, nothing else to edit (README, 'Adding a weight sync method'). Its side on the policy ranks,
+if it has one, is found here too (`make_sender`), by the same name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from entropy_openrlhf import sync as _package
 from entropy_openrlhf.options import option
-from entropy_openrlhf.sync.base import SYNC_METHODS, Engines, Policy, WeightSync
+from entropy_openrlhf.sync.base import SYNC_METHODS, Engines, Policy, PolicyRank, RankSender, WeightSync
 from entropy_openrlhf.sync.chunks import DEFAULT_MAX_CHUNK_MB
 
 # registration happens on import; sorted so that the choices (and --help) list them in a stable order
@@ -63,3 +64,13 @@ def make_weight_sync(settings: WeightSyncSettings, rollout: Engines, policy: Pol
     """The run's weight sync between `policy` and `rollout`, attached to the rollout group (not yet set up)."""
     cls = SYNC_METHODS[resolve_method(settings.method)]
     return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb)
+
+
+def make_sender(method: str, host: PolicyRank) -> RankSender:
+    """Sync `method`'s side on the policy rank `host` (the rank asks for it by the name the driver's sync has)."""
+    if method not in SYNC_METHODS:
+        raise ValueError(f"weight sync method {method!r} is not one of {', '.join(SYNC_METHODS)}")
+    sender = SYNC_METHODS[method].sender
+    if sender is None:
+        raise ValueError(f"weight sync method {method!r} runs nothing on the policy ranks")
+    return sender(host)

@@ -24,9 +24,10 @@ vLLM 0.32 has its own weight-transfer engines (`LLM(weight_transfer_config=...)`
 module covers both devices with one code path.
 
 A sync. The driver fetches the (name, dtype, shape) list once when the group is set up. For each sync it calls, at
-the same time, `WeightSender.broadcast` on every policy rank (under ZeRO-3 all ranks gather each parameter in turn,
-so no rank ever holds more than one full parameter beyond its shard) and the engines' receive, which allocates each
-tensor on the worker's device and feeds them one by one to the same reload function as the object-store path.
+the same time, the broadcast of every policy rank (collective.py's `CollectiveSender`: under ZeRO-3 all ranks gather
+each parameter in turn, so no rank ever holds more than one full parameter beyond its shard) and the engines'
+receive (receiver.py), which allocates each tensor on the worker's device and feeds them one by one to the same
+reload function as the object-store path.
 """
 
 from __future__ import annotations
@@ -200,72 +201,3 @@ class WeightSyncGroup:
             comm.destroy()
         if pg is not None:
             pg.abort()
-
-
-def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitions keep the full shape in ds_shape
-
-
-class WeightSender:
-    """Policy side, on every rank: rank 0 hosts the store and broadcasts; under ZeRO-3 the others join the gathers.
-
-    The module's `named_parameters()` (the tied lm_head is the embedding, listed once) fixes the order of the
-    broadcast; the list sent to the engines is built from the same iteration, so both sides agree by construction.
-    """
-
-    def __init__(self, module: torch.nn.Module, *, rank: int, zero3: bool):
-        self.module, self.rank, self.zero3 = module, rank, zero3
-        self.params = list(module.named_parameters())
-        self.meta: list[WeightMeta] = [(n, str(p.dtype).removeprefix("torch."), _full_shape(p)) for n, p in self.params]
-        self.store: dist.TCPStore | None = None
-        self.group: WeightSyncGroup | None = None
-
-    def open(self, host: str, world_size: int, backend: str, timeout_s: float) -> SyncEndpoint | None:
-        """Rank 0: start the rendezvous store; the receivers then connect with the returned endpoint."""
-        if self.rank != 0:
-            return None
-        self.close()
-        self.store = WeightSyncGroup.host_store(host, world_size, timeout_s)
-        self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
-        return SyncEndpoint(host=host, port=self.store.port, backend=backend, meta=self.meta)
-
-    def join(self) -> None:
-        """Rank 0: build the process group (blocks until every engine worker has joined)."""
-        if self.store is None:
-            raise WeightSyncError("the weight sync store is not open: call open() on rank 0 first")
-        self.group = WeightSyncGroup(self.store, 0, self.world_size, self.backend, self.timeout_s)
-
-    def broadcast(self) -> int:
-        """Send every weight; every rank must call it when ZeRO-3 shards the parameters. Returns the count."""
-        import deepspeed  # loaded in the policy ranks that call this; the driver and the vLLM workers need none
-
-        if self.rank == 0 and self.group is None:
-            raise WeightSyncError("the weight sync group is not set up: CollectiveSync.setup first")
-        failure: BaseException | None = None
-        for _, param in self.params:
-            with deepspeed.zero.GatheredParameters([param], enabled=self.zero3):
-                if self.rank == 0 and failure is None:
-                    try:
-                        self.group.send(param.data)
-                        # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
-                        if self.zero3:
-                            self.group.finish()
-                    except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are done gathering
-                        failure = e
-                        self.close()  # engines still waiting on rank 0 fail now, not at the group's timeout
-            # after a failure rank 0 keeps taking part in the gathers: under ZeRO-3 the other ranks would otherwise
-            # wait for it in the next one
-        if self.rank == 0 and failure is None:
-            try:
-                self.group.finish()
-            except Exception as e:  # noqa: BLE001 - raised below
-                failure = e
-                self.close()
-        if failure is not None:
-            raise failure
-        return len(self.params)
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group, self.store = None, None

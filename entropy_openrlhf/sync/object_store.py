@@ -52,9 +52,16 @@ def put_chunks(state_dict: dict[str, torch.Tensor], max_chunk_mb: float) -> tupl
 EXPORT_TIMEOUT_FLOOR_S = 300.0
 
 
+def export_weights(policy: Policy, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+    """The policy's full HF-named weights, from rank 0 (every rank takes part: ZeRO-3 gathers the shards). With
+    `timeout_s`, raises TimeoutError naming the policy group when its ranks have not answered by then."""
+    why = "its ranks run their calls in order: a long training step delays the export"
+    return policy.call_all("export_weights", timeout_s=timeout_s, what=why)[0]
+
+
 def export_chunks(policy: Policy, max_chunk_mb: float, timeout_s: float) -> list[ray.ObjectRef]:
     """A fresh export of the policy, put in the object store as chunks (for engines that restarted)."""
-    state = policy.export_weights(timeout_s=max(timeout_s, EXPORT_TIMEOUT_FLOOR_S))
+    state = export_weights(policy, timeout_s=max(timeout_s, EXPORT_TIMEOUT_FLOOR_S))
     return put_chunks(state, max_chunk_mb)[0]
 
 
@@ -87,7 +94,7 @@ class ObjectStoreSync(WeightSync):
         return "object store"
 
     def publish(self, version: int) -> None:
-        state = self.policy.export_weights()
+        state = export_weights(self.policy)
         with self._pending_lock:
             self.pending = (version, state)
 

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> dict:
     trainer.start_groups()
     try:
         history = trainer.run()
-        policy = trainer.policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        policy = trainer.policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
         stale = max_diff(trainer.rollout.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), policy)
         trainer.sync.make_current()  # the last step's export, which no generation has loaded yet
         synced = max_diff(trainer.rollout.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), policy)

@@ -77,18 +77,18 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
         from safetensors.torch import load_file
 
         before = load_file(str(Path(model_path) / "model.safetensors"))
-        after = trainer.policy.export_weights()
+        after = trainer.policy.call_all("export_weights")[0]
         assert any(not torch.equal(before[k], after[k]) for k in before)
         trainer.sync.make_current()
         prompt_ids = [[1, 5, 6, 7, 8]]
         response_ids = [[20, 30, 40, 50, 60, 70]]
         vllm_lp = trainer.rollout.sequence_log_probs(prompt_ids, response_ids)[0]
-        policy_lp = trainer.policy.forward_log_probs(prompt_ids, response_ids)[0]
+        policy_lp = trainer.policy.call_all("forward_log_probs", prompt_ids, response_ids)[0][0]
         assert len(vllm_lp) == len(policy_lp) == 6
         assert max(abs(a - b) for a, b in zip(vllm_lp, policy_lp)) < 1e-3
         if staleness == 0:
             final = tmp_path / "final"
-            trainer.policy.save_hf(str(final))
+            trainer.policy.call_all("save_hf", str(final))
             check_saved_model_stands_alone(final, model_path, after, tmp_path)
     finally:
         trainer.shutdown_groups()

@@ -50,7 +50,7 @@ def train_once(model_path: str, loss: str, workers: int = 1, steps: int = 1, sco
     group = PolicyGroup(cfg, model_path)
     try:
         metrics = [group.train_step(fixed_batch(), step) for step in range(steps)]
-        return group.export_weights(), metrics
+        return group.call_all("export_weights")[0], metrics
     finally:
         group.shutdown()
 
@@ -110,11 +110,11 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_
     )  # fmt: skip
     group = PolicyGroup(cfg, tiny_model)
     try:
-        before = group.export_weights()
+        before = group.call_all("export_weights")[0]
         poisoned = fixed_batch()
         poisoned[0].advantage = float("nan")  # lands in mini-batch 0 only
         metrics = group.train_step(poisoned, 0)
-        after_bad = group.export_weights()
+        after_bad = group.call_all("export_weights")[0]
         assert metrics["train/skipped_steps"] == 1.0  # mini-batch 0 skipped, mini-batch 1 applied
         assert all(torch.isfinite(w).all() for w in after_bad.values())
         assert {w.dtype for w in after_bad.values()} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
@@ -124,7 +124,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(ray_cluster, tiny_
             s.advantage = float("nan")
         metrics = group.train_step(poisoned, 1)
         assert metrics["train/skipped_steps"] == 2.0
-        after_all_bad = group.export_weights()
+        after_all_bad = group.call_all("export_weights")[0]
         assert all(torch.equal(after_bad[k], after_all_bad[k]) for k in before)  # nothing moved
     finally:
         group.shutdown()
@@ -198,7 +198,7 @@ def test_zero3_loads_each_rank_s_shard_without_building_the_whole_model(ray_clus
         group = PolicyGroup(cfg, tiny_model)
         try:
             found[zero] = ray_cluster.get([a.__ray_call__.remote(_storage) for a in group.actors], timeout=300)
-            exported = group.export_weights()
+            exported = group.call_all("export_weights")[0]
         finally:
             group.shutdown()
         assert exported.keys() == initial.keys()
@@ -241,7 +241,7 @@ def _step_with_separate_old_pass(model_path: str, separate: bool) -> tuple[dict,
             force = group.actors[0].__ray_call__.remote(lambda actor: setattr(actor, "dropout_free", False))
             ray.get(force, timeout=60)
         metrics = group.train_step(fixed_batch(), 0)
-        return group.export_weights(), metrics
+        return group.call_all("export_weights")[0], metrics
     finally:
         group.shutdown()
 
@@ -293,7 +293,7 @@ def test_entropy_bonus_changes_the_update_and_logs_its_metrics(ray_cluster, tiny
     plain_group = _bonus_group(tiny_model, 0.0, workers=1)
     try:
         plain_metrics = plain_group.train_step(fixed_batch(), 0)
-        plain = plain_group.export_weights()
+        plain = plain_group.call_all("export_weights")[0]
     finally:
         plain_group.shutdown()
     assert plain_metrics["loss/entropy_bonus"] == 0.0 and plain_metrics["loss/entropy_coef"] == 0.0
@@ -302,7 +302,7 @@ def test_entropy_bonus_changes_the_update_and_logs_its_metrics(ray_cluster, tiny
     group = _bonus_group(tiny_model, coef, workers=2)
     try:
         metrics = group.train_step(fixed_batch(), 0)
-        with_bonus = group.export_weights()
+        with_bonus = group.call_all("export_weights")[0]
         override = group.train_step(fixed_batch(seed=1), 1, entropy_coef=0.0)
     finally:
         group.shutdown()

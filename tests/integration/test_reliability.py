@@ -168,7 +168,7 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         per_engine = ray.get([a.sequence_log_probs.remote(*ids) for a in group.actors])
         assert per_engine[0] == per_engine[1]
         if weights.policy is not None:  # and they hold the policy's weights
-            policy_lp = weights.policy.forward_log_probs(*ids)
+            policy_lp = weights.policy.call_all("forward_log_probs", *ids)[0]
             assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
             assert weights.weight_sync.rebuilds == 4  # one per restart
         assert group.restarts == early + 3
@@ -288,7 +288,7 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
         assert ray.get(trainer.rollout.actors[0].get_version.remote()) == trainer.rollout.version == 4
         prompt_ids, response_ids = [[1, 5, 6, 7, 8]], [[20, 30, 40, 50, 60, 70]]
         engine_lp = trainer.rollout.sequence_log_probs(prompt_ids, response_ids)[0]
-        policy_lp = trainer.policy.forward_log_probs(prompt_ids, response_ids)[0]
+        policy_lp = trainer.policy.call_all("forward_log_probs", prompt_ids, response_ids)[0][0]
         assert max(abs(a - b) for a, b in zip(engine_lp, policy_lp)) < 1e-3
     finally:
         trainer.shutdown_groups()
@@ -347,7 +347,7 @@ def test_consecutive_non_finite_steps_stop_the_run(ray_cluster, tmp_path):
         assert list(recorder.metrics) == [0]  # step 1 stopped the run before it was logged
         assert recorder.metrics[0]["train/skipped_steps"] == 2.0  # both mini-batches of step 0
         initial = load_file(str(Path(model_path) / "model.safetensors"))
-        now = trainer.policy.export_weights()
+        now = trainer.policy.call_all("export_weights")[0]
         assert all(torch.equal(initial[k], now[k]) for k in initial)  # no skipped step touched the weights
     finally:
         trainer.shutdown_groups()

@@ -258,10 +258,10 @@ def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_
 
     try:
         group.train_step(fixed_batch(seed=0), 0)  # Adam has moments now
-        group.save_checkpoint(ckpt, "state")
-        saved_weights, saved_rng = group.export_weights(), rng()
+        group.call_all("save_checkpoint", ckpt, "state")
+        saved_weights, saved_rng = group.call_all("export_weights")[0], rng()
         group.train_step(fixed_batch(seed=1), 1)
-        want = group.export_weights()
+        want = group.call_all("export_weights")[0]
         ray.get(actor.__ray_call__.remote(lambda self: torch.rand(1000)))  # dropout would have drawn meanwhile
         assert not torch.equal(rng(), saved_rng)
 
@@ -271,15 +271,15 @@ def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_
 
         ray.get(actor.__ray_call__.remote(load_weights_only))
         group.train_step(fixed_batch(seed=1), 1)
-        assert not same(group.export_weights(), want)
+        assert not same(group.call_all("export_weights")[0], want)
 
-        group.load_checkpoint(ckpt, "state")
-        assert same(group.export_weights(), saved_weights)
+        group.call_all("load_checkpoint", ckpt, "state")
+        assert same(group.call_all("export_weights")[0], saved_weights)
         assert torch.equal(rng(), saved_rng)
         group.train_step(fixed_batch(seed=1), 1)
-        assert same(group.export_weights(), want)  # bit for bit: the optimizer state came back
+        assert same(group.call_all("export_weights")[0], want)  # bit for bit: the optimizer state came back
 
         with pytest.raises(Exception, match="no DeepSpeed checkpoint 'state' in"):
-            group.load_checkpoint(str(tmp_path / "nothing"), "state")
+            group.call_all("load_checkpoint", str(tmp_path / "nothing"), "state")
     finally:
         group.shutdown()

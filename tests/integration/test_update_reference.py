@@ -255,7 +255,7 @@ def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss,
     group = PolicyGroup(cfg, tiny_model)
     try:
         metrics = group.train_step(samples, STEP)
-        actor = group.export_weights()
+        actor = group.call_all("export_weights")[0]
     finally:
         group.shutdown()
     expected, fracs, weights = reference_step(tiny_model, cfg, samples, old_rows, workers)

@@ -77,7 +77,7 @@ class TestCollectiveSync:
 
     def test_collective_sync_gives_the_engines_the_trained_weights(self, policy, engines, collective):
         before = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
-        assert max_diff(before, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3  # same start
+        assert max_diff(before, policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]) < 1e-3  # same start
 
         with pytest.raises(WeightSyncError, match="call setup"):
             broadcast(collective, 1, timeout_s=10)
@@ -93,7 +93,7 @@ class TestCollectiveSync:
         seconds = broadcast(collective, 1, timeout_s=60)
         assert 0 < seconds < 60
         after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
-        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
         assert max_diff(after, trained) < 1e-3
         assert max_diff(after, before) > 1e-2
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [1, 1]
@@ -114,14 +114,14 @@ class TestCollectiveSync:
 
         assert max_diff(from_checkpoint(), start) < 1e-5
         t0 = time.time()
-        ObjectStoreSync(engines, timeout_s=60).update_weights(policy.export_weights(), 2)
+        ObjectStoreSync(engines, timeout_s=60).update_weights(policy.call_all("export_weights")[0], 2)
         object_store_s = time.time() - t0
         engines.weight_sync = collective  # as in from_checkpoint
         object_store = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
 
         assert max_diff(by_broadcast, object_store) < 1e-6
         assert max_diff(by_broadcast, start) > 1e-2
-        assert max_diff(by_broadcast, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
+        assert max_diff(by_broadcast, policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]) < 1e-3
         # vLLM's "Failed to load weights" came only for layers that have nothing to load (the rotary cos/sin cache,
         # the tied lm_head, which the equal log-probs above show loaded) and was kept out of the log
         for per_worker in ray.get([a.reload_log_counts.remote() for a in engines.actors]):
@@ -190,7 +190,7 @@ class TestCollectiveSync:
         build(collective, timeout_s=60)
         broadcast(collective, 4, timeout_s=60)
         after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
-        assert max_diff(after, policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)) < 1e-3
+        assert max_diff(after, policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]) < 1e-3
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [4, 4]
 
     def test_engine_killed_mid_broadcast_gets_the_weights_and_rejoins_the_group(self, policy, engines, collective):
@@ -228,12 +228,12 @@ class TestCollectiveSync:
         assert not sync.is_alive() and "s" in result
         assert engines.restarts == restarts + 1 and collective.rebuilds == rebuilds + 1
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [5, 5]
-        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
         assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) < 1e-3
 
         policy.train_step(fixed_batch(seed=4), 4)  # the rebuilt group carries the next broadcast to both
         broadcast(collective, 6, timeout_s=60)
-        trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+        trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
         per_engine = [ray.get(a.sequence_log_probs.remote(PROMPT_IDS[:1], RESPONSE_IDS[:1])) for a in engines.actors]
         assert per_engine[0] == per_engine[1] and max_diff(per_engine[0], trained[:1]) < 1e-3
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [6, 6]
@@ -251,7 +251,7 @@ class TestCollectiveSync:
         try:
             assert ray.get(engines.actors[0].engine_core_in_process.remote()) is False
             before = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
-            trained = policy.forward_log_probs(PROMPT_IDS, RESPONSE_IDS)
+            trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
             assert max_diff(before, trained) > 1e-2  # a stale engine fails the check below
             sync = ObjectStoreSync(engines, policy, timeout_s=120, max_chunk_mb=0.02)
             sync.publish(1)  # the trainer's two calls: export, then load before the next generation
@@ -296,7 +296,7 @@ def test_pipeline_two_steps_with_collective_sync(ray_cluster, tmp_path):
         # the collective path leaves nothing for the producer to load: the engines already hold the last weights
         assert trainer.sync.engine_version == 2
         vllm_lp = trainer.rollout.sequence_log_probs(PROMPT_IDS[:1], RESPONSE_IDS[:1])
-        policy_lp = trainer.policy.forward_log_probs(PROMPT_IDS[:1], RESPONSE_IDS[:1])
+        policy_lp = trainer.policy.call_all("forward_log_probs", PROMPT_IDS[:1], RESPONSE_IDS[:1])[0]
         assert max_diff(vllm_lp, policy_lp) < 1e-3
     finally:
         trainer.shutdown_groups()

@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from entropy_openrlhf.config import from_args
-from entropy_openrlhf.sync.collective import CollectiveSync
-from entropy_openrlhf.sync.factory import make_weight_sync, resolve_method
+from entropy_openrlhf.sync.base import PolicyRank
+from entropy_openrlhf.sync.collective import CollectiveSender, CollectiveSync
+from entropy_openrlhf.sync.factory import make_sender, make_weight_sync, resolve_method
 from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
 
@@ -27,12 +29,15 @@ class Engines:
 
 
 class Policy:
+    """A policy group whose one rank exports nothing, and counts its exports."""
+
     def __init__(self):
         self.exports = 0
 
-    def export_weights(self, timeout_s: float | None = None) -> dict:
+    def call_all(self, method: str, *args, timeout_s: float | None = None, what: str = "") -> list:
+        assert method == "export_weights", method  # the only call an object-store sync makes
         self.exports += 1
-        return {}
+        return [{}]
 
 
 def test_auto_is_the_collective_sync():
@@ -52,6 +57,22 @@ def test_the_factory_builds_the_method_with_the_run_s_settings_and_attaches_it(m
     assert (sync.timeout_s, sync.max_chunk_mb) == (42.0, 0.5)
     assert engines.weight_sync is sync and sync.policy is policy  # restarted engines come back through it
     assert policy.exports == 0  # building it moves nothing
+
+
+def test_a_policy_rank_gets_the_sender_of_the_method_the_driver_names():
+    here = PolicyRank(torch.nn.Linear(2, 3), rank=1, world_size=2, zero3=False)
+    sender = make_sender("collective", here)
+    assert type(sender) is CollectiveSender and sender.host is here
+    assert sender.run("open", 3, "gloo", 5.0) is None  # a rank other than 0 hosts no store
+    assert [name for name, _ in sender.params] == ["weight", "bias"]
+    assert sender.run("join") is None  # nothing to join on this rank
+    for op in ("_group_settings", "run", "close_all", "params"):  # private, itself, missing, not callable
+        with pytest.raises(AttributeError, match=rf"CollectiveSender \(policy rank 1\) has no operation '{op}'"):
+            sender.run(op)
+    with pytest.raises(ValueError, match="weight sync method 'object_store' runs nothing on the policy ranks"):
+        make_sender("object_store", here)
+    with pytest.raises(ValueError, match="weight sync method 'nccl' is not one of object_store, collective"):
+        make_sender("nccl", here)
 
 
 def test_object_store_weights_wait_for_the_producer_and_the_newest_wins():

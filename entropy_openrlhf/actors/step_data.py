@@ -1,0 +1,48 @@
+"""What one RL step of the policy takes and gives: the samples the driver builds, and how the step's metrics reduce,
+first over a rank's micro-batches (train_phases.step_result), then over the ranks (PolicyGroup.train_step).
+
+Light on purpose: the driver imports it, so it loads nothing of the actor's (train_phases.py does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainSample:
+    """What the policy needs of one response; the driver builds these from `Sample`s."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    rollout_log_probs: list[float]
+    ref_log_probs: list[float] | None = None
+
+
+MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean
+# each rank's value is its share of the mini-batch mean (aggregate's normaliser spans all ranks): summed over ranks
+SUMMED_LOSSES = ("loss/policy", "loss/entropy_bonus")
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def reduce_micro_batches(metrics: dict[str, list[float]], micro_per_mini: int, world_size: int) -> dict[str, float]:
+    """One rank's metrics of every micro-batch as one value each."""
+    result = {k: max(v) if k in MAX_METRICS else mean(v) for k, v in metrics.items()}
+    # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
+    for key in SUMMED_LOSSES:
+        result[key] = mean(metrics.get(key, [])) * micro_per_mini / world_size
+    return result
+
+
+def merge_ranks(results: list[dict[str, float]]) -> dict[str, float]:
+    """Every rank's step result as one: each rank's share of the losses and its tokens summed, the rest by max or
+    mean."""
+    merged = {k: (max if k in MAX_METRICS else mean)([r[k] for r in results if k in r]) for k in results[0]}
+    for key in SUMMED_LOSSES:
+        merged[key] = sum(r[key] for r in results)
+    merged["train/tokens"] = sum(r["train/tokens"] for r in results)
+    return merged

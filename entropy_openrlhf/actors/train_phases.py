@@ -1,0 +1,324 @@
+"""The phases of one RL step on a policy rank, in the order PolicyActor.train_step runs them:
+
+1. `prepare_step`: the rank's shard cut into `train.mini_batches` mini-batches of micro-batches, on the device, with
+   their per-token grids and the objective's settings for this step;
+2. `old_log_probs`: the no-grad pass, old log-probs and token entropies with the weights the step starts from;
+   `observe_old` turns them into metrics and, through `importance_weights`, into the off-policy correction;
+3. `optimizer_step`, once per mini-batch: the objective's selection over the whole mini-batch when it is global
+   (`select_globally`), then forward, loss and backward per micro-batch (`train_micro_batch`), and one optimizer step,
+   the loss normalised over the whole mini-batch on all ranks so that micro-batching and sharding do not change it;
+4. `step_result`: the step's metrics on this rank.
+
+Plain functions over explicit inputs: the rank's fixed facts (`RankSetup`), the DeepSpeed engine, and the step's
+state (`StepState`), which the phases fill in as they go. The actor keeps the state between steps and decides which
+phase runs when.
+
+Actor-only: this module loads OpenRLHF (through forward.py, and for its KL estimator), which loads transformers and
+reads its settings on import, so only a policy rank imports it, after `set_cpu_defaults` (policy_actor.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from entropy_openrlhf.actors.forward import SeqBatch, forward_log_probs, make_seq_batch, to_token_grid
+from entropy_openrlhf.actors.step_data import TrainSample, reduce_micro_batches
+from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
+from entropy_openrlhf.algorithms.metrics import entropy_stats
+from entropy_openrlhf.algorithms.objectives import (
+    LossContext,
+    TokenBatch,
+    get_objective,
+    objective_needs_entropy,
+    run_objective,
+    select_tokens,
+)
+from entropy_openrlhf.algorithms.selection import pooled_selection
+from entropy_openrlhf.compat import ensure_flash_attn_importable
+from entropy_openrlhf.config import Config
+
+ensure_flash_attn_importable()
+from openrlhf.models.utils import compute_approx_kl  # noqa: E402  (needs the flash-attn stand-in first)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What the phases read of the rank they run on, fixed when the actor starts."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    pad_id: int
+
+
+@dataclass
+class StepState:
+    """One train step on this rank: its settings, its micro-batches (mini-batch m is micro-batches
+    [m * micro_per_mini, (m + 1) * micro_per_mini)) with their per-token grids, and what the step learns of them
+    (old log-probs, entropies, IS weights, metrics) as it goes."""
+
+    step: int
+    params: Any  # the objective's settings, scaled by the entropy controller
+    select_globally: bool
+    needs_entropy: bool
+    bonus_coef: float
+    micro_per_mini: int
+    batches: list[SeqBatch]
+    advantages: list[torch.Tensor]
+    rollout_lp: list[torch.Tensor]
+    ref_lp: list[torch.Tensor] | None
+    old_lp: list[torch.Tensor | None]
+    entropies: list[torch.Tensor | None]
+    is_weights: list[torch.Tensor | None]
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.metrics.setdefault(key, []).append(float(value))
+
+
+def make_batch(setup: RankSetup, engine: Any, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> SeqBatch:
+    """Prompts + responses as one right-padded batch on the engine's device, laid out for a shared prefix when
+    `--train.shared_prefix` packs them."""
+    return make_seq_batch(
+        prompt_ids, response_ids, setup.pad_id, shared_prefix=setup.cfg.train.shared_prefix,
+        model_config=engine.module.config,
+    ).to(engine.device)  # fmt: skip
+
+
+def response_log_probs(
+    setup: RankSetup, engine: Any, prompt_ids: list[list[int]], response_ids: list[list[int]]
+) -> list[list[float]]:
+    """The current weights' log-prob of each response token, one list per response (no grad; outside any step)."""
+    b = make_batch(setup, engine, prompt_ids, response_ids)
+    engine.eval()
+    with torch.no_grad():
+        lp, _ = forward_log_probs(engine, b)
+    return [lp[i][b.mask[i].bool()].float().tolist() for i in range(len(prompt_ids))]
+
+
+# ------------------------------------------------------------------ 1. preparing the step
+
+
+def prepare_step(
+    setup: RankSetup,
+    engine: Any,
+    samples: list[TrainSample],
+    step: int,
+    strength_scale: float,
+    entropy_coef: float | None,
+) -> StepState:
+    """The shard cut into mini-batches of micro-batches, on the device, with their per-token grids, and the
+    settings of the objective for this step (`strength_scale`, `entropy_coef`: PolicyActor.train_step)."""
+    cfg = setup.cfg
+    mbs, n_mini = cfg.actor.micro_batch_size, cfg.train.mini_batches
+    per_mini = len(samples) // n_mini
+    if per_mini * n_mini != len(samples):
+        raise ValueError(f"{len(samples)} samples on rank {setup.rank} do not split into {n_mini} mini-batches")
+    # mini-batch m is micro-batches [m * micro_per_mini, (m + 1) * micro_per_mini)
+    micro = [
+        samples[start + i : start + min(i + mbs, per_mini)]
+        for start in range(0, len(samples), per_mini)
+        for i in range(0, per_mini, mbs)
+    ]
+    batches = [make_batch(setup, engine, [s.prompt_ids for s in m], [s.response_ids for s in m]) for m in micro]
+
+    def grid(values_of: Callable[[TrainSample], list[float]]) -> list[torch.Tensor]:
+        """One value per response token, as a (B, L) tensor per micro-batch."""
+        return [
+            to_token_grid([values_of(s) for s in m], b, [len(s.prompt_ids) for s in m]).to(b.mask.device)
+            for m, b in zip(micro, batches)
+        ]
+
+    has_ref = all(s.ref_log_probs is not None for s in samples)
+    lc = cfg.loss
+    objective = get_objective(lc.type)
+    return StepState(
+        step=step,
+        params=objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob),
+        select_globally=lc.scope == "global" and objective.select is not None,
+        needs_entropy=objective_needs_entropy(lc.type, lc),
+        bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
+        micro_per_mini=len(micro) // n_mini,
+        batches=batches,
+        advantages=grid(lambda s: [s.advantage] * len(s.response_ids)),
+        rollout_lp=grid(lambda s: s.rollout_log_probs),
+        ref_lp=grid(lambda s: s.ref_log_probs) if has_ref else None,
+        old_lp=[None] * len(batches),
+        entropies=[None] * len(batches),
+        is_weights=[None] * len(batches),
+    )
+
+
+# ------------------------------------------------------------------ 2. old log-probs
+
+
+def old_log_probs(setup: RankSetup, engine: Any, s: StepState, indices: Sequence[int]) -> None:
+    """The no-grad pass: old log-probs and token entropies of the micro-batches `indices`, then their metrics."""
+    engine.eval()
+    with torch.no_grad():
+        for i in indices:
+            lp, s.entropies[i] = forward_log_probs(engine, s.batches[i], with_entropy=True)
+            s.old_lp[i] = lp.float()
+    for i in indices:
+        observe_old(setup.cfg, s, i)
+
+
+def importance_weights(cfg: Config, old_lp: torch.Tensor, rollout_lp: torch.Tensor) -> torch.Tensor | None:
+    """The off-policy correction of one micro-batch: per-token weights p_old / p_rollout = exp(old - rollout),
+    truncated at `--async.is_cap` (truncated importance sampling); None when `--async.is_correction` is off. The
+    objective multiplies each token's loss by its weight (run_objective's `is_weights`)."""
+    if not cfg.use_is_correction:
+        return None
+    return torch.exp((old_lp - rollout_lp).clamp(-20, 20)).clamp(max=cfg.async_.is_cap)
+
+
+def observe_old(cfg: Config, s: StepState, i: int) -> None:
+    """Micro-batch i's importance weights, and the metrics of its old log-probs against the rollout's and the
+    reference's."""
+    b, lp, r = s.batches[i], s.old_lp[i], s.rollout_lp[i]
+    s.is_weights[i] = importance_weights(cfg, lp, r)
+    n = int(b.mask.sum())
+    if n == 0:
+        return
+    es = entropy_stats(s.entropies[i], b.mask)
+    s.add("entropy/token_mean", es["token_mean"])
+    s.add("entropy/seq_mean", es["seq_mean"])
+    s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
+    # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
+    gap = (r - lp).abs() * b.mask
+    s.add("rollout/logprob_diff_max", float(gap.max()))
+    s.add("rollout/logprob_diff_mean", float(gap.sum() / n))
+    if s.ref_lp is not None:
+        kl = compute_approx_kl(lp, s.ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
+        s.add("kl/ref", float((kl * b.mask).sum() / n))
+    if s.is_weights[i] is not None:
+        w = s.is_weights[i]
+        s.add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
+        s.add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
+
+
+# ------------------------------------------------------------------ 3. the optimizer steps
+
+
+def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_from_training: bool) -> bool:
+    """Mini-batch `mini`: its selection (global scope), then forward, loss and backward per micro-batch, and one
+    optimizer step. `old_from_training`: its old log-probs come from these forwards. Whether DeepSpeed applied
+    the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they were)."""
+    lc = setup.cfg.loss
+    idx = list(range(mini * s.micro_per_mini, (mini + 1) * s.micro_per_mini))
+    local_tokens = sum(float(s.batches[i].mask.sum()) for i in idx)
+    local_seqs = sum(float((s.batches[i].mask.sum(-1) > 0).sum()) for i in idx)
+    tokens, sequences = _all_reduce_sum(engine.device, setup.world_size, local_tokens, local_seqs)
+    base = LossContext(
+        clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
+        tokens=tokens, sequences=sequences, dp_size=setup.world_size, micro_batches=s.micro_per_mini,
+    )  # fmt: skip
+    selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
+    if s.select_globally:
+        selections, base = select_globally(setup, engine, s, mini, idx, base)
+    for j, i in enumerate(idx):
+        # micro_batch scope: selections[i] is None and the objective selects here
+        ctx = dataclasses.replace(base, generator=_generator(setup, s.step, mini, j), selected=selections[i])
+        train_micro_batch(setup, engine, s, i, ctx, old_from_training)
+    if not engine.was_step_applied():
+        return False
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is not None:
+        s.add("train/grad_norm", float(grad_norm))
+    return True
+
+
+def select_globally(
+    setup: RankSetup, engine: Any, s: StepState, mini: int, idx: list[int], base: LossContext
+) -> tuple[dict[int, torch.Tensor], LossContext]:
+    """`--loss.scope global`: the objective's selection over the whole mini-batch on all ranks; the masks per
+    micro-batch and the loss context that carries the pooled means and count."""
+    if mini == 0:  # the weights have not moved yet this step: the old pass's values are current
+        current = [(s.old_lp[i], s.entropies[i]) for i in idx]
+    else:
+        with torch.no_grad():
+            current = [forward_log_probs(engine, s.batches[i], with_entropy=s.needs_entropy) for i in idx]
+    pooled = [
+        TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
+        for (lp, ent), i in zip(current, idx)
+    ]
+    lc, generator = setup.cfg.loss, _generator(setup, s.step, mini, 0)
+
+    def select(tokens: TokenBatch, means: tuple[float, float]):
+        """The objective's selection over the pooled tokens (`pooled_selection`'s callback)."""
+        ctx = dataclasses.replace(base, cov_means=means, generator=generator)
+        return select_tokens(lc.type, s.params, lc, tokens, ctx)
+
+    masks, cov_means, total, selection_metrics = pooled_selection(pooled, select, with_entropy=s.needs_entropy)
+    for k, v in selection_metrics.items():
+        s.add(k, v)
+    return dict(zip(idx, masks)), dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))
+
+
+def train_micro_batch(
+    setup: RankSetup, engine: Any, s: StepState, i: int, ctx: LossContext, old_from_training: bool
+) -> None:
+    """Forward, the objective's loss (plus the KL and entropy-bonus terms) and backward of micro-batch i."""
+    cfg, lc, b = setup.cfg, setup.cfg.loss, s.batches[i]
+    with_bonus = s.bonus_coef > 0  # at 0 no entropy gradient is computed: the bonus off costs nothing
+    lp, ent = forward_log_probs(engine, b, with_entropy=s.needs_entropy or old_from_training, entropy_grad=with_bonus)
+    if old_from_training:
+        s.old_lp[i], s.entropies[i] = lp.detach().float(), ent.detach()
+        observe_old(cfg, s, i)
+    # the objective's selection reads the entropy detached; only the bonus differentiates it
+    entropy = ent.detach() if s.needs_entropy else None
+    out, selection_metrics = run_objective(
+        lc.type, s.params, lc, ctx, lp, s.old_lp[i], s.advantages[i], b.mask, entropy=entropy,
+        is_weights=s.is_weights[i],
+    )  # fmt: skip
+    for k, v in selection_metrics.items():
+        s.add(k, v)
+    loss = out.loss
+    if cfg.algo.kl_coef > 0 and s.ref_lp is not None:
+        kl = compute_approx_kl(lp, s.ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
+        loss = loss + cfg.algo.kl_coef * aggregate(kl, b.mask, lc.agg, ctx.normalizer, setup.world_size)
+    if with_bonus:
+        bonus = entropy_bonus(ent, b.mask, s.bonus_coef, lc.agg, ctx.normalizer, setup.world_size)
+        loss = loss + bonus
+        s.add("loss/entropy_bonus", -bonus.item())
+    # the normaliser already spans the whole mini-batch: no extra division by accumulation steps
+    engine.backward(loss, scale_wrt_gas=False)
+    engine.step()
+    s.add("loss/policy", out.loss.item())
+    for k, v in out.metrics.items():
+        s.add(f"loss/{k}" if not k.startswith("cov_") else f"cov/{k[4:]}", v)
+
+
+def _all_reduce_sum(device: torch.device, world_size: int, *values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _generator(setup: RankSetup, step: int, mini: int, micro: int) -> torch.Generator:
+    """The objective's random draws (Clip-Cov's choice) for one micro-batch: micro_batch scope, a different draw
+    per rank; global scope, all ranks draw the same (they must agree)."""
+    rank = 0 if setup.cfg.loss.scope == "global" else setup.rank
+    seed = (setup.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ 4. the step's result
+
+
+def step_result(s: StepState, *, world_size: int, skipped: int, lr: float, seconds: float) -> dict[str, float]:
+    """The step's metrics on this rank, reduced over its micro-batches, with what the actor measured around them
+    (`skipped` optimizer steps, the learning rate, the step's seconds)."""
+    result = reduce_micro_batches(s.metrics, s.micro_per_mini, world_size)
+    result["loss/entropy_coef"] = s.bonus_coef
+    result["train/skipped_steps"] = float(skipped)
+    result["train/lr"] = float(lr)
+    result["time/train_actor"] = seconds
+    result["train/tokens"] = float(sum(float(b.mask.sum()) for b in s.batches))
+    return result
