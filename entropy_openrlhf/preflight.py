@@ -71,7 +71,7 @@ def group_needs(cfg: Config) -> list[GroupNeed]:
             reads_model=False, writes_output=False,
         ),
     ]  # fmt: skip
-    if ref.enabled:
+    if cfg.uses_reference:
         groups.append(
             GroupNeed(
                 "reference", ref.num_workers, {"CPU": ref.num_cpus, "GPU": reference_gpus(cfg), **ref.custom_resources},

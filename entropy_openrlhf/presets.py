@@ -55,7 +55,7 @@ _DAPO_COMMON: dict[str, Any] = {
     "loss.clip_cov.ratio": 2e-4,
     "loss.clip_cov.lb": 1.0,
     "loss.clip_cov.ub": 5.0,
-    "ref.enabled": False,
+    "ref.enabled": "false",
     "eval.every": 4,
     "train.save_every": 32,
     # systems: bf16, ZeRO-3 with gradient checkpointing (the recipe: FSDP with checkpointing). One sequence per
@@ -139,7 +139,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.save_every": 2,
         "async.max_staleness": 0,  # the engines hold the trainer's weights at every step: what the check compares
         "sync.method": "collective",  # NCCL between the trainer and the engines (auto would pick it on GPUs too)
-        "ref.enabled": False,  # as in the recipe presets
+        "ref.enabled": "false",  # as in the recipe presets
         "reward.num_workers": 2,
         "logger.sample_table_every": 1,
     },

@@ -48,6 +48,11 @@ class Config:
         return self.async_.max_staleness > 0
 
     @property
+    def uses_reference(self) -> bool:
+        """Whether the reference model runs: --ref.enabled true, or auto with a KL term that uses it."""
+        return self.ref.enabled == "true" or (self.ref.enabled == "auto" and self.algo.kl_coef > 0)
+
+    @property
     def use_is_correction(self) -> bool:
         return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
 
@@ -55,7 +60,7 @@ class Config:
 def reference_gpus(cfg: Config) -> float:
     """The GPUs the reference actor reserves: --ref.num_gpus, or for -1 (auto) one policy rank's GPU share, at most
     one (a forward pass uses one device), and 0 when the policy ranks train on the CPU. 0 when the reference is off."""
-    if not cfg.ref.enabled:
+    if not cfg.uses_reference:
         return 0.0
     if cfg.ref.num_gpus == REF_GPUS_AUTO:
         return min(1.0, cfg.actor.num_gpus_per_worker)

@@ -44,7 +44,7 @@ def validate(cfg: Config) -> list[str]:
         notes.append("only one of --rollout.num_gpus_per_engine and --actor.num_gpus_per_worker is > 0: the other "
                      "group gets no GPU from Ray")  # fmt: skip
     need(
-        not (cfg.algo.kl_coef > 0 and not cfg.ref.enabled),
+        not (cfg.algo.kl_coef > 0 and not cfg.uses_reference),
         "algo.kl_coef",
         "needs the reference model (--ref.enabled true)",
     )
@@ -101,7 +101,7 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
     # The reference on the CPU beside GPU policy ranks runs a full-size forward in fp32 every step, and kl/ref then
     # compares two precisions: refused rather than slow and skewed without a word.
     need(
-        not (cfg.ref.enabled and cfg.ref.num_gpus == 0 and a.num_gpus_per_worker > 0),
+        not (cfg.uses_reference and cfg.ref.num_gpus == 0 and a.num_gpus_per_worker > 0),
         "ref.num_gpus",
         f"0 puts the reference model on the CPU in fp32 while the policy ranks have GPUs (--actor.num_gpus_per_worker "
         f"{a.num_gpus_per_worker:g}): leave it at -1 (auto: {min(1.0, a.num_gpus_per_worker):g} GPU, the policy's "
@@ -112,7 +112,7 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
 def _validate_reference(cfg: Config, need) -> None:
     """The reference's GPUs against the policy's: its ranks on one device, CPU offload without a GPU."""
     ref = cfg.ref
-    if not ref.enabled:
+    if not cfg.uses_reference:
         return
     gpus = reference_gpus(cfg)
     # The same trap as the policy's: Ray packs the bundles, so two ranks of half a GPU share one device, and NCCL

@@ -97,7 +97,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.rollout = RolloutGroup.from_config(cfg, self.model_path)
         self.reward = RewardGroup.from_config(cfg)
         self.reference = None
-        if cfg.ref.enabled:
+        if cfg.uses_reference:
             self.reference = ReferenceGroup(cfg, self.model_path, local=local)
         self.policy = PolicyGroup(cfg, self.model_path, local=local)
         self.sync = make_weight_sync(cfg.sync, self.rollout, self.policy)

@@ -167,3 +167,13 @@ def test_builtin_levels_reach_the_written_task(tmp_path):
     for path in (train, test):
         levels = {json.loads(line)["level"] for line in Path(path).read_text().splitlines()}
         assert levels == {3, 4}, path
+
+
+def test_the_reference_runs_only_when_something_uses_it():
+    assert not from_args([]).uses_reference  # auto, no KL term: no reference group, no reference forward
+    assert from_args(["--algo.kl_coef", "0.01"]).uses_reference  # auto with a KL term
+    assert from_args(["--ref.enabled", "true"]).uses_reference  # the kl/ref metric alone
+    with pytest.raises(ConfigError, match=r"--algo\.kl_coef: needs the reference model"):
+        validate(from_args(["--ref.enabled", "false", "--algo.kl_coef", "0.01"]))
+    with pytest.raises(ConfigError, match=r"--ref\.enabled"):
+        validate(from_args(["--ref.enabled", "yes"]))

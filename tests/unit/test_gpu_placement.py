@@ -40,9 +40,11 @@ def test_whole_gpus_per_rank_or_a_single_fractional_rank_pass(workers, share):
 
 # ---------------------------------------------------------------------------------------------- the reference
 
+REF_ON = ["--ref.enabled", "true"]  # the reference runs (by default only a KL term starts it): where does it go?
+
 
 def test_by_default_the_reference_follows_the_policy_onto_gpus():
-    cfg = from_args(GPU_POLICY)
+    cfg = from_args([*GPU_POLICY, *REF_ON])
     validate(cfg)
     assert reference_gpus(cfg) == 1.0
     # every place that reserves or checks resources counts that GPU: the actor's options, the fit check, the docs
@@ -51,26 +53,26 @@ def test_by_default_the_reference_follows_the_policy_onto_gpus():
 
 
 def test_the_reference_takes_one_rank_s_share_at_most_one_gpu():
-    assert reference_gpus(from_args(["--actor.num_gpus_per_worker", "0.5"])) == 0.5
-    assert reference_gpus(from_args(["--actor.num_gpus_per_worker", "2"])) == 1.0  # one forward uses one device
+    assert reference_gpus(from_args([*REF_ON, "--actor.num_gpus_per_worker", "0.5"])) == 0.5
+    assert reference_gpus(from_args([*REF_ON, "--actor.num_gpus_per_worker", "2"])) == 1.0  # one forward uses one device
 
 
 def test_by_default_the_reference_stays_on_the_cpu_with_cpu_policy_ranks():
-    cfg = from_args([])
+    cfg = from_args(REF_ON)
     validate(cfg)
     assert reference_gpus(cfg) == 0.0 and group_resources(cfg)["reference"]["GPU"] == 0.0
 
 
 def test_a_reference_on_the_cpu_beside_gpu_policy_ranks_is_refused_naming_the_flag():
     with pytest.raises(ConfigError) as e:
-        validate(from_args([*GPU_POLICY, "--ref.num_gpus", "0"]))
+        validate(from_args([*GPU_POLICY, *REF_ON, "--ref.num_gpus", "0"]))
     msg = str(e.value)
     assert msg.startswith("invalid config: --ref.num_gpus: 0 puts the reference model on the CPU in fp32")
     assert "--ref.enabled false" in msg and "-1 (auto" in msg and "\n" not in msg
 
 
 def test_an_explicit_reference_gpu_share_and_a_disabled_reference_are_taken_as_given():
-    assert reference_gpus(from_args([*GPU_POLICY, "--ref.num_gpus", "0.5"])) == 0.5
+    assert reference_gpus(from_args([*GPU_POLICY, *REF_ON, "--ref.num_gpus", "0.5"])) == 0.5
     cfg = from_args([*GPU_POLICY, "--ref.enabled", "false", "--ref.num_gpus", "0"])
     validate(cfg)
     assert reference_gpus(cfg) == 0.0 and "reference" not in group_resources(cfg)

@@ -9,7 +9,8 @@ from entropy_openrlhf.presets import PIPELINES
 
 
 def smoke(*flags: str) -> Config:
-    return from_args(["--preset", "smoke", *flags], PIPELINES["kl_cov"])
+    # the reference on, as a run with a KL term has it: four groups to fit (by default only a KL term starts it)
+    return from_args(["--preset", "smoke", "--ref.enabled", "true", *flags], PIPELINES["kl_cov"])
 
 
 def reserved_cpus(cfg: Config) -> float:

@@ -45,7 +45,7 @@ PAPER_RECIPE = {
     "rollout.tensor_parallel_size": 2,  # vLLM TP = 2
     "algo.advantage": "grpo",
     "algo.kl_coef": 0.0,  # no KL loss, no reference model
-    "ref.enabled": False,
+    "ref.enabled": "false",
     "algo.dynamic_sampling": True,  # DAPO filter_groups, max_num_gen_batches = 10
     "algo.max_gen_batches": 10,
     "loss.agg": "token_mean",
@@ -130,7 +130,7 @@ def test_the_resource_arithmetic_is_plain():
     for key, value in {
         "rollout.num_engines": 3, "rollout.num_gpus_per_engine": 4.0, "rollout.num_cpus_per_engine": 2.0,
         "actor.num_workers": 5, "actor.num_gpus_per_worker": 0.5, "actor.num_cpus_per_worker": 3.0,
-        "reward.num_workers": 4, "reward.num_cpus_per_worker": 0.25, "ref.enabled": True, "ref.num_gpus": 1.0,
+        "reward.num_workers": 4, "reward.num_cpus_per_worker": 0.25, "ref.enabled": "true", "ref.num_gpus": 1.0,
         "ref.num_cpus": 1.5,
     }.items():  # fmt: skip
         set_by_path(cfg, key, value)

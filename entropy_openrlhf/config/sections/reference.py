@@ -16,7 +16,12 @@ REF_GPUS_AUTO = -1.0  # --ref.num_gpus: follow the policy ranks' hardware (refer
 
 @dataclass
 class RefConfig(Section):
-    enabled: bool = _f(True, "run the frozen reference model (KL-to-reference metric; needed when algo.kl_coef > 0)")
+    enabled: str = _f(
+        "auto",
+        "run the frozen reference model: auto (only when --algo.kl_coef > 0 uses it) | true (also for the kl/ref "
+        "metric alone) | false",
+        choices=("auto", "true", "false"),
+    )
     num_cpus: float = _f(0.5, "Ray CPUs for each reference rank")
     num_gpus: float = _f(
         REF_GPUS_AUTO,
