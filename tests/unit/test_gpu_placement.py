@@ -54,7 +54,7 @@ def test_by_default_the_reference_follows_the_policy_onto_gpus():
 
 def test_the_reference_takes_one_rank_s_share_at_most_one_gpu():
     assert reference_gpus(from_args([*REF_ON, "--actor.num_gpus_per_worker", "0.5"])) == 0.5
-    assert reference_gpus(from_args([*REF_ON, "--actor.num_gpus_per_worker", "2"])) == 1.0  # one forward uses one device
+    assert reference_gpus(from_args([*REF_ON, "--actor.num_gpus_per_worker", "2"])) == 1.0  # one forward: one device
 
 
 def test_by_default_the_reference_stays_on_the_cpu_with_cpu_policy_ranks():
