@@ -18,6 +18,9 @@ class TrainSample:
     advantage: float
     rollout_log_probs: list[float]
     ref_log_probs: list[float] | None = None
+    # 1 on the tokens the loss counts; 0 on tokens the policy did not choose (a tool's output) and, with
+    # --loss.mask_truncated, on every token of a response cut at the length limit. None: every token counts
+    response_mask: list[int] | None = None
 
 
 MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean

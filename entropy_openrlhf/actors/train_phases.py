@@ -134,6 +134,12 @@ def prepare_step(
             for m, b in zip(micro, batches)
         ]
 
+    # the response masks narrow the loss mask: a masked token is in no loss, no normaliser and no metric
+    if any(s.response_mask is not None for s in samples):
+        masks = grid(lambda s: s.response_mask if s.response_mask is not None else [1] * len(s.response_ids))
+        for b, keep in zip(batches, masks):
+            b.mask = b.mask * keep.to(b.mask.dtype)
+
     has_ref = all(s.ref_log_probs is not None for s in samples)
     lc = cfg.loss
     objective = get_objective(lc.type)
@@ -216,7 +222,8 @@ def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_f
     tokens, sequences = _all_reduce_sum(engine.device, setup.world_size, local_tokens, local_seqs)
     base = LossContext(
         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
-        tokens=tokens, sequences=sequences, dp_size=setup.world_size, micro_batches=s.micro_per_mini,
+        agg_norm_len=lc.agg_norm_len or setup.cfg.rollout.max_new_tokens, tokens=tokens, sequences=sequences,
+        dp_size=setup.world_size, micro_batches=s.micro_per_mini,
     )  # fmt: skip
     selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
     if s.select_globally:

@@ -244,9 +244,17 @@ class Trainer(Checkpointing, NodeLossHandling):
                 advantage=a,
                 rollout_log_probs=s.rollout_log_probs,
                 ref_log_probs=s.ref_log_probs,
+                response_mask=self._loss_mask(s),
             )
             for s, a in zip(flat, adv)
         ]
+
+    def _loss_mask(self, s: Sample) -> list[int] | None:
+        """The tokens of `s` its loss counts: its response mask, all zeros for a truncated response under
+        `--loss.mask_truncated` (TRL's mask_truncated_completions), None when every token counts."""
+        if self.cfg.loss.mask_truncated and s.finish_reason == "length":
+            return [0] * len(s.response_token_ids)
+        return None if all(s.response_mask) else list(s.response_mask)
 
     def publish_weights(self, version: int) -> float:
         """Hand the weights after optimizer round `version` to the sync and wake a producer waiting for them;

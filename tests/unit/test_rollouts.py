@@ -84,6 +84,18 @@ def test_the_trainer_takes_its_groups_from_the_rollout_function_named_by_the_fla
     assert train[0].ref_log_probs == [-2.0] * 4 and train[0].rollout_log_probs == [-0.5, -0.25, 0.0, -1.0]
 
 
+def test_the_policy_is_given_each_sample_s_loss_mask():
+    trainer = trainer_with(f"{__name__}:tool_turn")
+    batch = trainer._make_batch(0)
+    batch.groups[1][0].finish_reason = "length"
+    assert [t.response_mask for t in trainer._train_samples(batch)] == [[1, 1, 0, 1]] * 4  # the tool's token out
+    cut = trainer_with(f"{__name__}:tool_turn", 2, "--loss.mask_truncated", "true")
+    batch = cut._make_batch(0)
+    batch.groups[1][0].finish_reason = "length"  # cut at the limit: every token leaves the loss
+    masks = [t.response_mask for t in cut._train_samples(batch)]
+    assert masks == [[1, 1, 0, 1], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]]
+
+
 def test_the_overlong_penalty_is_added_in_training_and_logged():
     # tool_turn's responses are 4 tokens: at a limit of 4 with a buffer of 2 they sit at the limit, penalty -0.5
     flags = ("--rollout.max_new_tokens", "4", "--reward.overlong_buffer_len", "2", "--reward.overlong_penalty_factor",
