@@ -92,7 +92,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # bounds stop holding any token once covariances shrink as the policy sharpens. Bounds counted in standard
     # deviations of the token covariances follow them down; from 0.5 std with a ratio of 0.1 Clip-Cov detaches 1-3 %
     # of the tokens all through a run (38-57 % of those inside the bounds). What it gives is a selection that acts,
-    # not a measured effect: over seven seeds (docs/results.md) its entropy and accuracy were level with GRPO's
+    # not a measured effect: over seven seeds (study/notebook.md) its entropy and accuracy were level with GRPO's
     # (entropy 1.04x, not significant); ratio 0.05 with bounds from 1 std detached ~1 % and cost train accuracy.
     "clip-cov-small": {"loss.clip_cov.ratio": 0.1, "loss.clip_cov.lb": 0.5, "loss.clip_cov.bounds_unit": "std"},
     # A tiny random model made on the spot, 2 steps: the whole path (vLLM, verifier, DeepSpeed, sync, W&B) in minutes.

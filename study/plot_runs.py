@@ -3,12 +3,12 @@ and accuracy against step, pass@k against k, the entropy law R = -a exp(H) + b f
 mechanism (each step's entropy change against its covariance).
 
     python -m study.plot_runs grpo=outputs/grpo kl_cov=outputs/kl_cov clip_cov=runs/clip_cov.csv --out docs/
-    python -m study.plot_runs grpo=docs/runs/grpo_seed1 grpo=docs/runs/grpo_seed2 grpo=docs/runs/grpo_seed3 \
-        kl_cov=docs/runs/kl_cov_seed1 kl_cov=docs/runs/kl_cov_seed2 kl_cov=docs/runs/kl_cov_seed3 \
-        --out docs --prefix study_ --band 0.5,0.8
+    python -m study.plot_runs grpo=study/runs/grpo_seed1 grpo=study/runs/grpo_seed2 grpo=study/runs/grpo_seed3 \
+        kl_cov=study/runs/kl_cov_seed1 kl_cov=study/runs/kl_cov_seed2 kl_cov=study/runs/kl_cov_seed3 \
+        --out study/figures --prefix study_ --band 0.5,0.8
 
 Each run is LABEL=PATH (or just PATH: the label is then the folder or file name). PATH is a W&B offline run folder
-written by our trainer (it holds files/metrics.jsonl), a folder holding metrics.jsonl (docs/runs/<run>), a folder
+written by our trainer (it holds files/metrics.jsonl), a folder holding metrics.jsonl (study/runs/<run>), a folder
 with exactly one such run below it (a pipeline's --train.output_dir), or a CSV with a `step` column and one column
 per metric. A label given several times names one method's seeds (different runs). Seeds are paired with the
 baseline's by the `seed<N>` in their paths (grpo_seed2 with kl_cov_seed2: same data and first rollouts), else by
@@ -27,7 +27,7 @@ Writes into --out:
 
 and prints, in markdown:
 - one run per method: each method's final entropy (mean of the last --last steps), entropy ratio to --baseline,
-  train accuracy (last --last steps) and held-out accuracy (last evaluation): the table of docs/results.md.
+  train accuracy (last --last steps) and held-out accuracy (last evaluation): the table of study/notebook.md.
   `--band LO,HI` (an entropy controller's `--entropy.target`) shades the band on the entropy plot and adds a column:
   the share of each run's last --last steps whose entropy was inside it.
 - several seeds for some method: the same figures, each run's value as above, as a mean over the method's seeds
@@ -114,7 +114,7 @@ def report(args: argparse.Namespace, methods: list[Method], band: tuple[float, f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="a run folder, a folder with one run, or a CSV")
-    p.add_argument("--out", default="docs", help="folder the PNGs go in")
+    p.add_argument("--out", default="study/figures", help="folder the PNGs go in")
     p.add_argument("--prefix", default="", help="file-name prefix of the PNGs, e.g. arith_")
     p.add_argument("--fit-acc", default="auto", help=f"accuracy metric of the fit: auto | {EVAL_ACC_KEY} | ...")
     p.add_argument("--baseline", default="grpo", help="label of the method the others are compared with")

@@ -104,7 +104,7 @@ def ceiling_table(methods: list[Method], band: tuple[float, float], from_step: f
 
 
 def results_table(methods: list[Method], baseline: str, last: int = 10, band: tuple[float, float] | None = None) -> str:
-    """docs/results.md's table for one run per method, in markdown: final entropy, accuracies and the entropy ratio
+    """study/notebook.md's table for one run per method, in markdown: final entropy, accuracies and the entropy ratio
     to the baseline run; with a band, also the share of the last steps whose entropy was inside it."""
     runs = {m.label: m.runs[0] for m in methods}
     base_h = final_value(runs[baseline], ENTROPY_KEY, last) if baseline in runs else None

@@ -2,7 +2,7 @@
 once per RL step: the active objective's own strength (a scale on KL-Cov's coefficient or ratio, Clip-Cov's ratio,
 high_entropy's top fraction) and the coefficient of an entropy bonus `-alpha * H` added to the loss.
 
-Why two knobs. Measured on the built-in task (docs/results.md, 'Entropy control'), the objective's own knob held
+Why two knobs. Measured on the built-in task (study/notebook.md, 'Entropy control'), the objective's own knob held
 the band from above but could not lift entropy back once it fell below: KL-Cov's coefficient slows a fall, it has no
 term that pushes entropy up, and PPO, CISPO and GSPO have no knob at all. The bonus's gradient raises every token's
 entropy directly, so below the band it is the push that works; above the band a bonus only adds to the surge. Both
@@ -29,7 +29,7 @@ action alone entropy swings through the band and back (in the band 20-40 % of th
 process); subtracting the trend stops a knob growing while entropy already moves toward the band.
 
 Why a filter, and where. The damping term reads a difference of two noisy batch means. With 16 samples a step the
-measured entropy jumped by up to 0.3 nats between steps (docs/results.md) and damping read the jumps as recovery,
+measured entropy jumped by up to 0.3 nats between steps (study/notebook.md) and damping read the jumps as recovery,
 giving back what the gain had built. `smoothing` makes the trend the change of an exponential average over steps,
 H_f = smoothing * H_f + (1 - smoothing) * H: it still follows a steady drift, while a batch's noise reaches it only
 (1 - smoothing) times as large. The error keeps reading the batch's own entropy: filtering it too delays the

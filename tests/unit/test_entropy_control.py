@@ -327,7 +327,7 @@ def test_a_step_without_the_measured_metric_is_an_error_not_a_frozen_controller(
 
 # --------------------------------------------------------------------------- two knobs: scale and bonus
 
-BAND2 = (0.5, 0.8)  # the band of docs/results.md's run, where the noise below was measured
+BAND2 = (0.5, 0.8)  # the band of study/notebook.md's run, where the noise below was measured
 NOISE = 0.1  # measured entropy = true entropy + N(0, 0.1): jumps of up to ~0.3 between steps, as with 16 samples
 
 

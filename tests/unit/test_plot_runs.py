@@ -220,7 +220,7 @@ def test_a_bad_band_fails_with_one_line(tmp_path, capsys, band):
     assert code == 2 and "--band" in err and err.count("\n") == 1
 
 
-# ---- several seeds per method: the study's layout, docs/runs/<method>_seed<N>/metrics.jsonl ----
+# ---- several seeds per method: the study's layout, study/runs/<method>_seed<N>/metrics.jsonl ----
 
 STUDY_KS = (1, 2, 4, 8, 16)
 T95_2DF = 4.302653  # Student's t, 0.975 quantile, 2 degrees of freedom (three seeds), from a printed table
@@ -250,7 +250,7 @@ def study_records(cov_mean: float, seed: int, n: int = 25, eval_every: int = 5, 
 
 
 def write_study(root: Path, methods: dict[str, float], seeds=(1, 2, 3), **kwargs) -> dict[str, dict[int, list]]:
-    """docs/runs/<method>_seed<N>/metrics.jsonl for every method and seed; returns the records written."""
+    """study/runs/<method>_seed<N>/metrics.jsonl for every method and seed; returns the records written."""
     written = {}
     for m_index, (method, cov_mean) in enumerate(methods.items()):
         written[method] = {}

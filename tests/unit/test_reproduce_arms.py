@@ -1,4 +1,4 @@
-"""Every arm of scripts/reproduce.sh is a config the pipeline accepts, and the documented arms mean what the docs say.
+"""Every arm of study/reproduce.sh is a config the pipeline accepts, and the documented arms mean what the docs say.
 
 A misspelled flag in an arm would otherwise surface only when its run starts, possibly hours into a study. The script's
 dry run (REPRO_DRY_RUN=1) prints each run's command; each is parsed and validated here as the pipeline would.
@@ -19,7 +19,7 @@ from entropy_openrlhf.data.arith_task import generate
 from entropy_openrlhf.presets import PIPELINES
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "reproduce.sh"
+SCRIPT = ROOT / "study" / "reproduce.sh"
 
 
 def declared_arms() -> set[str]:
@@ -39,7 +39,7 @@ def dry_run(tmp_path: Path, methods: list[str], *args: str) -> dict[str, list[st
         **os.environ,
         "REPRO_DRY_RUN": "1",
         "REPRO_OUT": str(tmp_path / "out"),
-        "REPRO_PLOTS": str(tmp_path / "plots"),  # empty: no committed run is skipped
+        "REPRO_STUDY": str(tmp_path / "plots"),  # empty: no committed run is skipped
         "METHODS": " ".join(methods),
     }
     done = subprocess.run(
@@ -127,12 +127,12 @@ def test_the_study_table_lists_every_committed_arm_the_baseline_first(tmp_path):
             run = plots / "runs" / f"{arm}_seed{seed}"
             run.mkdir(parents=True)
             (run / "metrics.jsonl").write_text(
-                (ROOT / "docs" / "runs" / f"{source}_seed{seed}" / "metrics.jsonl").read_text()
+                (ROOT / "study" / "runs" / f"{source}_seed{seed}" / "metrics.jsonl").read_text()
             )
     env = {
         **os.environ,
         "REPRO_OUT": str(tmp_path / "out"),
-        "REPRO_PLOTS": str(plots),
+        "REPRO_STUDY": str(plots),
         "METHODS": "grpo kl_cov_target",
         "MPLBACKEND": "Agg",
     }
@@ -148,9 +148,9 @@ def test_the_study_table_lists_every_committed_arm_the_baseline_first(tmp_path):
 
 
 def test_the_exploration_arms_are_as_fixed_in_advance(tmp_path):
-    # docs/results.md, "The exploration experiment": fixed before its first run
+    # study/notebook.md, "The exploration experiment": fixed before its first run
     commands = dry_run(tmp_path, ["explore_grpo", "explore_kl_cov"], "--seeds", "3-3")
-    heldout = "docs/runs/explore_base/heldout.jsonl"
+    heldout = "study/runs/explore_base/heldout.jsonl"
     for arm, loss_type in [("explore_grpo", "ppo"), ("explore_kl_cov", "kl_cov")]:
         cfg = accepted(commands[f"{arm}_seed3"])
         assert cfg.loss.type == loss_type and cfg.train.seed == 3
@@ -168,7 +168,7 @@ def test_the_exploration_arms_are_as_fixed_in_advance(tmp_path):
 
 def test_the_exploration_heldout_set_is_the_generators_and_never_trained_on():
     # one fixed set for every run: 48 test-split problems of level 3 and 48 of level 4, disjoint from any train split
-    rows = [json.loads(line) for line in (ROOT / "docs/runs/explore_base/heldout.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (ROOT / "study/runs/explore_base/heldout.jsonl").read_text().splitlines()]
     assert rows == generate(96, split="test", seed=0, levels=(3, 4))
     assert Counter(r["level"] for r in rows) == {3: 48, 4: 48}
     questions = {r["prompt"][-1]["content"] for r in rows}

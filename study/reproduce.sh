@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# The small-scale reproduction (docs/results.md) on the built-in arithmetic task with SmolLM2-135M-Instruct, the same
+# The small-scale reproduction (study/notebook.md) on the built-in arithmetic task with SmolLM2-135M-Instruct, the same
 # data and budget for every method, several optimizer steps per rollout batch (the paper's recipe shape), held-out
 # accuracy every few steps. Then the plots and the results table.
 #
-#   bash scripts/reproduce.sh --seeds 3               # the study: grpo clip_cov kl_cov kl_cov_band, seeds 1-3
-#   METHODS="grpo kl_cov" bash scripts/reproduce.sh --seeds 3       # a subset of the study
-#   METHODS=kl_cov_band_b05 bash scripts/reproduce.sh --seeds 2-2    # one seed of an arm
-#   bash scripts/reproduce.sh                         # the single-seed comparison: grpo clip_higher clip_cov kl_cov
-#   METHODS="kl_cov_target kl_cov_target_ratio" bash scripts/reproduce.sh   # KL-Cov under entropy control
-#   bash scripts/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
+#   bash study/reproduce.sh --seeds 3               # the study: grpo clip_cov kl_cov kl_cov_band, seeds 1-3
+#   METHODS="grpo kl_cov" bash study/reproduce.sh --seeds 3       # a subset of the study
+#   METHODS=kl_cov_band_b05 bash study/reproduce.sh --seeds 2-2    # one seed of an arm
+#   bash study/reproduce.sh                         # the single-seed comparison: grpo clip_higher clip_cov kl_cov
+#   METHODS="kl_cov_target kl_cov_target_ratio" bash study/reproduce.sh   # KL-Cov under entropy control
+#   bash study/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<run>,
 # where <run> is the method, or <method>_seed<N> in the study. The study evaluates pass@k with 16 samples per
 # held-out prompt at the start, at step 13 and on the final weights, and checkpoints every 5 steps: a run stopped part-way
 # continues from its newest checkpoint (--train.resume true) when the script is started again. A run whose final
-# model exists is skipped; REPRO_FORCE=1 reruns it. Per-step metrics are copied to docs/runs/<run>/metrics.jsonl.
+# model exists is skipped; REPRO_FORCE=1 reruns it. Per-step metrics are copied to study/runs/<run>/metrics.jsonl.
 # REPRO_DRY_RUN=1 prints each run's command instead of running it (and writes nothing): what a run would be given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${REPRO_OUT:-outputs/repro}
-PLOTS=${REPRO_PLOTS:-docs}  # where the PNGs go
+STUDY=${REPRO_STUDY:-study}  # the study folder: its runs/ (per-step metrics) and figures/ (the PNGs)
+RUNS=$STUDY/runs
+FIGURES=$STUDY/figures
 SEEDS=0  # 0: the single-seed comparison (seed 1, runs named by method)
 FIRST_SEED=1
 if [[ ${1:-} == --seeds ]]; then
@@ -51,12 +53,12 @@ STUDY=(--eval.n_samples 16 --eval.every 13 --train.save_every 5 --train.keep_che
 # bounds in covariance std, ratio 0.05. clip_cov_wide is today's --preset clip-cov-small.
 declare -A STUDY_EXTRA=([clip_cov]="--loss.clip_cov.bounds_unit std --loss.clip_cov.ratio 0.05")
 
-# The exploration experiment (docs/results.md, "The exploration experiment"), fixed in advance: GRPO and KL-Cov on
+# The exploration experiment (study/notebook.md, "The exploration experiment"), fixed in advance: GRPO and KL-Cov on
 # levels 3 and 4 of the built-in task, 4 prompts x 8 samples, 50 steps, every run evaluated on one shared held-out
-# set (96 prompts, docs/runs/explore_base/heldout.jsonl) with 64 samples per prompt at T = 1.0 at step 25 and on the
-# final weights; the base model is evaluated once on the same set (docs/runs/explore_base/metrics.json).
-#   METHODS="explore_grpo explore_kl_cov" bash scripts/reproduce.sh --seeds 7
-EXPLORE_HELDOUT=docs/runs/explore_base/heldout.jsonl
+# set (96 prompts, study/runs/explore_base/heldout.jsonl) with 64 samples per prompt at T = 1.0 at step 25 and on the
+# final weights; the base model is evaluated once on the same set (study/runs/explore_base/metrics.json).
+#   METHODS="explore_grpo explore_kl_cov" bash study/reproduce.sh --seeds 7
+EXPLORE_HELDOUT=study/runs/explore_base/heldout.jsonl
 EXPLORE_EVAL=(--data.test "$EXPLORE_HELDOUT" --eval.max_samples 0 --eval.n_samples 64 --eval.temperature 1.0)
 EXPLORE=(--data.builtin_levels 3,4 --rollout.n_samples_per_prompt 8 --train.num_steps 50 "${EXPLORE_EVAL[@]}"
     --eval.every 25 --eval.initial false)
@@ -78,7 +80,7 @@ CTL_BAND=0.5,0.8
 # (in the preset's runs the candidates often outnumbered its 10% quota). It let entropy run away in seed 1.
 # clip_cov_r03: the preset with a ratio of 0.3, between 0.1 (no measurable effect over seven seeds) and 1 (a
 # runaway); seven seeds against GRPO's, fixed in advance: entropy above GRPO's in every seed but train accuracy
-# significantly lower, entropy running away in four seeds (docs/results.md, "Ratio 0.3").
+# significantly lower, entropy running away in four seeds (study/notebook.md, "Ratio 0.3").
 # kl_cov_band_b05: kl_cov_band with a bonus ceiling five times the default (--entropy.max_bonus 0.05): in the study's
 # seed 2 both knobs reached their bounds and entropy still fell below the band (docs/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
@@ -121,8 +123,8 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
         return
     fi
     # a study run committed by an earlier sitting (its outputs/ gone with that machine) is not run again
-    if [[ $run == *_seed* && -f "$PLOTS/runs/$run/metrics.jsonl" && -z "${REPRO_FORCE:-}" ]]; then
-        echo "== $run: its metrics are in $PLOTS/runs/$run, skipped"
+    if [[ $run == *_seed* && -f "$RUNS/$run/metrics.jsonl" && -z "${REPRO_FORCE:-}" ]]; then
+        echo "== $run: its metrics are in $RUNS/$run, skipped"
         return
     fi
     if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
@@ -146,13 +148,13 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
     "${cmd[@]}" 2>&1 | tee -a "$OUT/$run.log" | grep --line-buffered '^\[entropy-openrlhf\]\|^error'
     echo "== $run took $(( $(date +%s) - start )) s"
     # the per-step metrics, kept beside the plots so they can be redrawn once outputs/ is gone
-    mkdir -p "$PLOTS/runs/$run"
-    merge_metrics "$OUT/$run" "$PLOTS/runs/$run/metrics.jsonl"
+    mkdir -p "$RUNS/$run"
+    merge_metrics "$OUT/$run" "$RUNS/$run/metrics.jsonl"
 }
 
 if [[ -z "${REPRO_DRY_RUN:-}" ]]; then mkdir -p "$OUT"; fi
 explore_base() {  # the base model on the exploration's held-out set, once: what every exploration run starts from
-    local out=docs/runs/explore_base/metrics.json
+    local out=study/runs/explore_base/metrics.json
     local cmd=(.venv/bin/python scripts/evaluate.py --data.test "$EXPLORE_HELDOUT" --eval.max_samples 0
         --eval.n_samples 64 --eval.temperature 1.0 --train.seed 1 --train.output_dir "$OUT/explore_base"
         --eval.output_json "$out")
@@ -189,11 +191,11 @@ if (( SEEDS > 0 )); then
         if [[ " ${arms[*]} " != *" $method "* && $method != explore_* ]]; then arms+=("$method"); fi
     done
     for method in "${arms[@]}"; do
-        for dir in "$PLOTS"/runs/"${method}"_seed*/; do
+        for dir in "$RUNS"/"${method}"_seed*/; do
             if [[ -f "$dir/metrics.jsonl" ]]; then specs+=("$method=${dir%/}"); fi
         done
     done
-    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$PLOTS" --prefix study_ --band "$CTL_BAND" \
+    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$FIGURES" --prefix study_ --band "$CTL_BAND" \
         | tee "$OUT/results_study.txt"
     exit 0
 fi
@@ -203,13 +205,13 @@ plot() {  # plot PREFIX "FLAGS" METHOD...: the plots and table of those runs tha
     local prefix=$1 flags=$2 specs=() method
     shift 2
     for method in "$@"; do
-        if [[ -f "$PLOTS/runs/$method/metrics.jsonl" ]]; then specs+=("$method=$PLOTS/runs/$method"); fi
+        if [[ -f "$RUNS/$method/metrics.jsonl" ]]; then specs+=("$method=$RUNS/$method"); fi
     done
     # shellcheck disable=SC2086  # flags holds several words
-    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$PLOTS" --prefix "$prefix" $flags
+    .venv/bin/python -m study.plot_runs "${specs[@]}" --out "$FIGURES" --prefix "$prefix" $flags
 }
 plot arith_ "" grpo clip_higher clip_cov kl_cov | tee "$OUT/results.txt"
-# entropy control against its two baselines (docs/results.md, "Entropy control"), its band shaded and scored
-if [[ -f "$PLOTS/runs/kl_cov_target/metrics.jsonl" ]]; then
+# entropy control against its two baselines (study/notebook.md, "Entropy control"), its band shaded and scored
+if [[ -f "$RUNS/kl_cov_target/metrics.jsonl" ]]; then
     plot ctl_ "--band $CTL_BAND" grpo kl_cov kl_cov_target kl_cov_target_ratio | tee "$OUT/results_control.txt"
 fi

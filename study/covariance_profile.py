@@ -1,8 +1,8 @@
 """Where a model's token covariances sit against Clip-Cov's bounds, on its own rollouts: the numbers behind a
 Clip-Cov setting (docs/losses.md, "Clip-Cov at small scale").
 
-    .venv/bin/python scripts/covariance_profile.py                     # SmolLM2-135M-Instruct, built-in task
-    .venv/bin/python scripts/covariance_profile.py --prompts 64 --micro-batch 4 --json profile.json
+    .venv/bin/python study/covariance_profile.py                     # SmolLM2-135M-Instruct, built-in task
+    .venv/bin/python study/covariance_profile.py --prompts 64 --micro-batch 4 --json profile.json
 
 Samples `--n` responses for each of `--prompts` training prompts with vLLM (in this process, T = 1, the sampled
 token's log-prob from the engine: at the start of a step the current policy is the old one), scores them with the
