@@ -2,7 +2,7 @@
 # Start or stop a Ray head on 127.0.0.1 that lives in its own temp dir, so it can be stopped alone.
 #   scripts/ray_head.sh start TMPDIR DASHBOARD_PORT GCS_PORT
 # It gives Ray 2 logical CPUs (RAY_HEAD_NUM_CPUS), Ray's own default on a 2-core laptop: a run that reserves more
-# has its CPU reservations scaled to fit (entropy_openrlhf/preflight.py).
+# has its CPU reservations scaled to fit (entropy_openrlhf/cluster_fit.py).
 #   scripts/ray_head.sh check TMPDIR   # exit 1, naming each, if a process of the head listens beyond loopback
 #   scripts/ray_head.sh stop TMPDIR
 # `ray stop` is never used: it ends every Ray process on the machine, other users' included.

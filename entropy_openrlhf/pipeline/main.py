@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
     import ray
 
     from entropy_openrlhf.cluster import init_ray, joins_cluster
+    from entropy_openrlhf.cluster_fit import check_nodes, cluster_snapshot, fit_cluster
     from entropy_openrlhf.pipeline.checkpoints import resume_point
     from entropy_openrlhf.pipeline.faults import NodeLostError
     from entropy_openrlhf.pipeline.tracking import Tracker
     from entropy_openrlhf.pipeline.trainer import Trainer, summarize
-    from entropy_openrlhf.preflight import check_nodes, cluster_snapshot, fit_cluster
 
     if not cfg.logger.run_name:
         cfg.logger.run_name = f"{pipeline}-{time.strftime('%Y%m%d-%H%M%S')}"

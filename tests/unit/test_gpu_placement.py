@@ -9,8 +9,8 @@ import pytest
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES as POLICY_NOSET
 from entropy_openrlhf.actors.devices import engine_visible_devices
 from entropy_openrlhf.actors.engine import NOSET_VISIBLE_DEVICES as ROLLOUT_NOSET
+from entropy_openrlhf.cluster_fit import group_needs
 from entropy_openrlhf.config import ConfigError, from_args, reference_gpus, validate
-from entropy_openrlhf.preflight import group_needs
 from entropy_openrlhf.resources import group_resources
 
 GPU_POLICY = ["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "1"]

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from entropy_openrlhf.actors.reference import deal_micro_batches, reference_ds_config
+from entropy_openrlhf.cluster_fit import group_needs
 from entropy_openrlhf.config import (
     ConfigError,
     from_args,
@@ -14,15 +15,15 @@ from entropy_openrlhf.config import (
     reference_uses_deepspeed,
     validate,
 )
-from entropy_openrlhf.preflight import group_needs
 from entropy_openrlhf.resources import group_resources
 
 GPU_POLICY = ["--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "1"]
+ON = ["--ref.enabled", "true"]  # these tests are about a reference that runs (by default only a KL term starts it)
 
 
 def refused(*flags: str) -> str:
     with pytest.raises(ConfigError) as e:
-        validate(from_args(list(flags)))
+        validate(from_args([*ON, *flags]))
     return str(e.value)
 
 
@@ -38,7 +39,7 @@ def test_by_default_one_plain_rank_as_before():
 
 @pytest.mark.parametrize("flags", [["--ref.num_workers", "2"], [*GPU_POLICY, "--ref.offload", "true"]])
 def test_several_ranks_or_offload_run_under_zero3(flags):
-    cfg = from_args(flags)
+    cfg = from_args([*ON, *flags])
     validate(cfg)
     assert reference_uses_deepspeed(cfg.ref)
 
@@ -69,7 +70,7 @@ def test_fractional_gpus_for_several_reference_ranks_are_refused():
 
 
 def test_whole_gpus_per_rank_and_a_disabled_reference_pass():
-    validate(from_args([*GPU_POLICY, "--ref.num_workers", "4", "--ref.offload", "true"]))
+    validate(from_args([*ON, *GPU_POLICY, "--ref.num_workers", "4", "--ref.offload", "true"]))
     validate(from_args(["--ref.enabled", "false", "--ref.offload", "true"]))  # off: nothing to run anywhere
 
 
@@ -80,7 +81,7 @@ def test_the_reference_micro_batch_defaults_to_the_policy_s():
 
 
 def test_every_rank_reserves_its_share():
-    cfg = from_args([*GPU_POLICY, "--ref.num_workers", "3", "--ref.num_cpus", "2"])
+    cfg = from_args([*ON, *GPU_POLICY, "--ref.num_workers", "3", "--ref.num_cpus", "2"])
     assert group_resources(cfg)["reference"] == {"actors": 3, "GPU": 3.0, "CPU": 6.0}
     (ref,) = [g for g in group_needs(cfg) if g.name == "reference"]
     assert ref.actors == 3 and ref.bundle["GPU"] == 1.0 and ref.bundle["CPU"] == 2.0

@@ -3,8 +3,8 @@ naming the flags otherwise. Pure logic: the cluster is given as Ray reports it (
 
 import pytest
 
+from entropy_openrlhf.cluster_fit import ClusterFitError, fit_cluster, group_needs
 from entropy_openrlhf.config import Config, from_args
-from entropy_openrlhf.preflight import ClusterFitError, fit_cluster, group_needs
 from entropy_openrlhf.presets import PIPELINES
 
 
@@ -91,7 +91,7 @@ def test_bad_custom_resources_name_the_flag():
 
 
 def test_the_node_check_names_each_problem(tmp_path):
-    from entropy_openrlhf.preflight import _check_node
+    from entropy_openrlhf.cluster_fit import _check_node
 
     check = _check_node._function  # the plain function Ray runs on each node
     model, out = tmp_path / "model", tmp_path / "out"
