@@ -1,6 +1,8 @@
 """The rollout seam: the trainer asks `--rollout.function` for its groups of samples, and checks what it gets."""
 
+import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +172,23 @@ def test_registering_a_name_twice_is_refused():
         assert get_rollout("test_only_once") is tool_turn
     finally:
         del ROLLOUTS["test_only_once"]
+
+
+def test_the_documented_rollout_function_runs_as_the_flag_names_it(tmp_path, monkeypatch):
+    """docs/extending.md's example, saved as my_rollouts.py, is what --rollout.function my_rollouts:once loads."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    code = re.search(r"```python\n(# my_rollouts\.py.*?)```", docs, re.S)
+    assert code, "docs/extending.md's rollout function example is missing"
+    (tmp_path / "my_rollouts.py").write_text(code.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    validate(from_args(["--rollout.function", "my_rollouts:once"]))
+
+    class Engines:
+        def generate(self, prompts, *, n, policy_version, **_):
+            return [Sample(p.index, p.prompt, [1], "r", [2, 3], [-1.0, -1.0], p.label, policy_version)
+                    for p in prompts for _ in range(n)]  # fmt: skip
+
+    request = RolloutRequest([PromptItem(0, "a", "1"), PromptItem(1, "b", "2")], 2, 1.0, 1.0, 8, 3, 5)
+    groups = get_rollout("my_rollouts:once")(Engines(), request)
+    check_groups(groups, request, "my_rollouts:once")
+    assert [[s.prompt_index for s in g] for g in groups] == [[0, 0], [1, 1]]
