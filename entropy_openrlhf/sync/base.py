@@ -16,6 +16,8 @@ collective.py (a broadcast group). A method that runs code of its own on the pol
 `RankSender` subclass (its `sender`): every policy rank hosts one per method and runs its operations when the driver
 asks (`WeightSync.on_policy`, through `PolicyActor.sync`), as receiver.py is the engines' side of both methods.
 group.py is the broadcast group's transport, chunks.py the object store's wire format.
+Ray is imported inside the functions that call it: the config imports this package (through factory.py) for the
+methods' names, and scripts/gpu_check.py loads the config on GPU machines without Ray.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import ray
 import torch
 
 from entropy_openrlhf.sync.chunks import DEFAULT_MAX_CHUNK_MB
+
+if TYPE_CHECKING:  # annotations only
+    import ray
 
 # What the sync uses of the actor groups it drives, so that it sits below them (actors/rollout.py, actors/policy.py
 # are what a run passes in; tests pass stand-ins).
@@ -124,6 +128,8 @@ def register_sync_method(cls: type[WeightSync]) -> type[WeightSync]:
 def wait_for_sync(engine_refs: list, policy_refs: list, what: str, timeout_s: float) -> None:
     """Wait for both sides of a sync. An error on either side is raised at once (its peer would only wait for it
     until the timeout); a side still running after `timeout_s` raises WeightSyncTimeoutError naming it."""
+    import ray  # imported where used (module docstring)
+
     deadline = time.time() + timeout_s
     pending = list(engine_refs) + list(policy_refs)
     while pending:
