@@ -4,9 +4,11 @@ with per-token log-probs. The driver's handle on the engines is rollout.RolloutG
 The `LLM` runs in-process: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU engine starts in a few seconds; with
 tensor_parallel_size > 1 vLLM spawns its own worker processes on the GPUs the actor reserved.
 
-Log-probs. `rollout_log_probs` are vLLM's default raw log-probs: log-softmax of the model's logits at temperature 1,
-before temperature or top-p, the same quantity the trainer's forward computes, so the importance ratio compares
-like with like. `sequence_log_probs` scores given token sequences (prompt_logprobs) for the trainer-vs-engine check.
+Log-probs. `rollout_log_probs` are those of the distribution each token was sampled from: the engine runs with
+`logprobs_mode="processed_logprobs"` (as verl's rollout and TRL do), so they are the log-softmax of logits / T
+after top-p, which the trainer's forward reproduces at `--rollout.temperature` (top_p < 1 is refused in training).
+At T = 1 and top_p = 1 they equal vLLM's raw log-probs. `sequence_log_probs` scores given token sequences
+(prompt_logprobs, which skip the sampler: always T = 1) for the trainer-vs-engine check.
 
 The engine's end of both weight syncs (rollout.py tells them apart): `update_weights` stages object-store chunks on
 its vLLM workers and reloads them in one call; `init_weight_sync` / `receive_weights` join the trainer's broadcast
@@ -145,6 +147,8 @@ class RolloutEngine:
         import vllm.envs  # engine-only imports (module docstring)
         from vllm import LLM
 
+        # the sampled distribution's log-probs (module docstring); a caller may still ask for another mode
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         if tensor_parallel_size > 1:
             # Inside a Ray placement group vLLM would pick its Ray executor, which asks Ray again for the GPUs this
             # actor already holds; worker processes on those GPUs need no scheduling.

@@ -15,7 +15,6 @@ HF_HUB_OFFLINE), which `set_cpu_defaults` sets first.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import socket
@@ -29,7 +28,6 @@ from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_e
 from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config
-from entropy_openrlhf.models.dtype import resolve_dtype
 from entropy_openrlhf.rendezvous import init_default_group
 from entropy_openrlhf.sync.base import PolicyRank, RankSender
 from entropy_openrlhf.sync.factory import make_sender
@@ -66,8 +64,8 @@ class PolicyActor:
         if self.cuda:
             torch.cuda.set_device(device_index)  # before NCCL starts: its communicator binds the current device
         import deepspeed  # actor-only imports (module docstring)
-        from transformers import AutoModelForCausalLM
-        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        from entropy_openrlhf.actors.policy_engine import build_policy_engine
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         # The ranks meet on a store we host, not through "env://": torch's own rendezvous server listens on every
@@ -75,75 +73,25 @@ class PolicyActor:
         backend = "nccl" if self.cuda else "gloo"
         init_default_group(backend, master_addr, master_port, rank, world_size, cfg.ray.start_timeout_s)
         deepspeed.init_distributed(dist_backend=backend)
-        self.dtype = resolve_dtype(cfg.model.dtype, model_path)
-        per_rank = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.mini_batches // world_size
-        self.micro_per_step = math.ceil(per_rank / cfg.actor.micro_batch_size)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": cfg.actor.micro_batch_size,
-            "gradient_accumulation_steps": self.micro_per_step,
-            "gradient_clipping": cfg.actor.grad_clip,
-            "zero_optimization": {"stage": cfg.actor.zero_stage},
-            # with check_grad_overflow DeepSpeed skips bf16 steps with non-finite gradients (fp32 ZeRO does by default)
-            "bf16": {"enabled": self.dtype == torch.bfloat16, "check_grad_overflow": True},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-        }
-        # ZeRO-3: with an HfDeepSpeedConfig alive, from_pretrained builds the model inside deepspeed.zero.Init (each
-        # parameter partitioned on this rank's device as its module is created) and fills it one module at a time:
-        # rank 0 copies the checkpoint's tensors into the gathered parameters, the other ranks receive them, each
-        # keeps its partition. No rank holds the whole model and only rank 0 reads the checkpoint. Without it every
-        # rank holds the whole model until DeepSpeed partitions it: as mmap'd views of the safetensors files when
-        # their dtype is the training dtype, but as a private copy when cast (131 GB per rank for 32B in fp32).
-        # transformers finds the config only through a weak reference (integrations/deepspeed.py,
-        # is_deepspeed_zero3_enabled), so this reference keeps it alive for the actor's life, as its docstring asks:
-        # transformers calls made later in this process (embedding resizes, weight inits) must see ZeRO-3 too.
-        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if cfg.actor.zero_stage == 3 else None
-        private_before, t0 = _private_host_bytes(), time.time()
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self.load_info = {
-            "seconds": time.time() - t0,
-            # parameter elements this rank holds in full: 0 under zero.Init (each keeps only its partition)
-            "full_param_elements": sum(p.numel() for p in model.parameters()),
-            # anonymous memory the load left in this process; the checkpoint's mmap'd file pages are not counted
-            # (the page cache holds them once per node)
-            "private_host_growth_bytes": _private_host_bytes() - private_before,
-        }
+        # the model, AdamW, the learning-rate schedule and the engine: the same code scripts/gpu_check.py steps
+        built = build_policy_engine(cfg, model_path, world_size)
+        self.engine, self.load_info = built.engine, built.load_info
+        self._hf_ds_config = built.hf_ds_config  # ZeRO-3: keeps transformers' view of it alive (policy_engine.py)
         if rank == 0:
             print(
                 f"[entropy-openrlhf] policy rank 0 loaded the model in {self.load_info['seconds']:.1f} s "
                 f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
                 f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
             )
-        # actor-only imports (module docstring), after the model is built, where they have always run: forward.py
-        # registers flash-attn stand-ins (compat.py) that the model's loading has never seen
-        from entropy_openrlhf.actors.forward import use_shared_prefix
+        # actor-only import (module docstring), after the model is built (policy_engine.py)
         from entropy_openrlhf.actors.train_phases import RankSetup
 
-        use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it; each batch brings its layout
-        if cfg.actor.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.config.use_cache = False
         # Without dropout a training forward computes what an eval forward does, so train_step may take the first
         # mini-batch's old log-probs from its training forward.
-        self.dropout_free = not getattr(model.config, "attention_dropout", 0.0) and not any(
-            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
-        )
-        pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.dropout_free = built.dropout_free
         self.model_path = model_path  # save_hf copies its tokenizer and generation config
-        self.setup = RankSetup(cfg, rank, world_size, pad_id)  # what the step's phases read of this rank
+        self.setup = RankSetup(cfg, rank, world_size, built.pad_id)  # what the step's phases read of this rank
         self.senders: dict[str, RankSender] = {}  # one per weight sync method that runs code here (`sync`)
-        # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.actor.lr,
-            betas=tuple(cfg.actor.adam_betas),
-            eps=cfg.actor.adam_eps,
-            weight_decay=cfg.actor.weight_decay,
-            # one kernel over all parameters: on CPU 0.18 s per step for SmolLM2 against 0.6 s for the default
-            # per-tensor loop (docs/benchmarks.md); the same update up to rounding
-            fused=True,
-        )
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.version = 0
 
     # ------------------------------------------------------------------ the RL step
@@ -181,8 +129,8 @@ class PolicyActor:
             if not optimizer_step(self.setup, self.engine, s, mini, old_from_training):
                 skipped += 1
         self.version += 1
-        lr = self.engine.optimizer.param_groups[0]["lr"]
-        return step_result(s, world_size=self.world_size, skipped=skipped, lr=lr, seconds=time.time() - t0)
+        # train/lr: the rate of the step's last optimizer step (the param groups already hold the next one's)
+        return step_result(s, world_size=self.world_size, skipped=skipped, lr=s.lr, seconds=time.time() - t0)
 
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
@@ -256,18 +204,6 @@ class PolicyActor:
     def device_report(self) -> tuple[str, bool]:
         """Where this rank runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
         return f"node {ray.util.get_node_ip_address()}", torch.cuda.is_available()
-
-
-def _private_host_bytes() -> int:
-    """This process's anonymous (private) resident memory now; 0 where /proc/self/smaps_rollup is missing."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Anonymous:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def copy_tokenizer_and_generation_config(source: str, target: str) -> None:

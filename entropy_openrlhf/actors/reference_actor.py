@@ -156,7 +156,8 @@ class ReferenceActor:
         with torch.no_grad():
             for i in starts:
                 b = self._batch(prompt_ids[i : i + step], response_ids[i : i + step])
-                lp, _ = forward_log_probs(self.model, b)
+                # at the sampling temperature, as the policy's: the KL term compares the two distributions at T
+                lp, _ = forward_log_probs(self.model, b, temperature=self.cfg.rollout.temperature)
                 out += [lp[j][b.mask[j].bool()].float().tolist() for j in range(lp.shape[0])]
             # ZeRO-3: the other ranks' forwards gather parameters with this rank too, so it must run as many
             for _ in range(forwards - len(starts)):

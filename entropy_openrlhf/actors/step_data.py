@@ -21,9 +21,13 @@ class TrainSample:
     # 1 on the tokens the loss counts; 0 on tokens the policy did not choose (a tool's output) and, with
     # --loss.mask_truncated, on every token of a response cut at the length limit. None: every token counts
     response_mask: list[int] | None = None
+    # policy versions between the weights that sampled the response and the trainer's at this step (the
+    # offpolicy/staleness_<v>/* metrics group by it)
+    staleness: int = 0
 
 
-MAX_METRICS = {"rollout/logprob_diff_max"}  # reduced over micro-batches and ranks by max, the rest by mean
+# reduced over micro-batches and ranks by max, the rest by mean
+MAX_METRICS = {"rollout/logprob_diff_max", "offpolicy/weight_max"}
 # each rank's value is its share of the mini-batch mean (aggregate's normaliser spans all ranks): summed over ranks
 SUMMED_LOSSES = ("loss/policy", "loss/entropy_bonus")
 
@@ -44,7 +48,9 @@ def reduce_micro_batches(metrics: dict[str, list[float]], micro_per_mini: int, w
 def merge_ranks(results: list[dict[str, float]]) -> dict[str, float]:
     """Every rank's step result as one: each rank's share of the losses and its tokens summed, the rest by max or
     mean."""
-    merged = {k: (max if k in MAX_METRICS else mean)([r[k] for r in results if k in r]) for k in results[0]}
+    # every rank's keys: a rank may lack some (a staleness none of its responses has)
+    keys = dict.fromkeys(k for r in results for k in r)
+    merged = {k: (max if k in MAX_METRICS else mean)([r[k] for r in results if k in r]) for k in keys}
     for key in SUMMED_LOSSES:
         merged[key] = sum(r[key] for r in results)
     merged["train/tokens"] = sum(r["train/tokens"] for r in results)

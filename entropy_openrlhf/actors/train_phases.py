@@ -76,6 +76,7 @@ class StepState:
     entropies: list[torch.Tensor | None]
     is_weights: list[torch.Tensor | None]
     metrics: dict[str, list[float]] = field(default_factory=dict)
+    lr: float = 0.0  # the learning rate the last optimizer step applied (optimizer_step)
 
     def add(self, key: str, value: float) -> None:
         self.metrics.setdefault(key, []).append(float(value))
@@ -216,6 +217,9 @@ def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_f
     optimizer step. `old_from_training`: its old log-probs come from these forwards. Whether DeepSpeed applied
     the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they were)."""
     lc = setup.cfg.loss
+    # the rate this step applies: DeepSpeed steps the schedule after the optimizer step (policy_engine.py), so the
+    # param groups hold the next step's afterwards
+    s.lr = float(engine.optimizer.param_groups[0]["lr"])
     idx = list(range(mini * s.micro_per_mini, (mini + 1) * s.micro_per_mini))
     local_tokens = sum(float(s.batches[i].mask.sum()) for i in idx)
     local_seqs = sum(float((s.batches[i].mask.sum(-1) > 0).sum()) for i in idx)

@@ -17,6 +17,7 @@ from entropy_openrlhf.config.sections.actor import ActorConfig
 from entropy_openrlhf.config.sections.logger_ray import LoggerConfig, RayConfig
 from entropy_openrlhf.config.sections.loss import AlgoConfig, EntropyConfig, LossConfig, LossOptions
 from entropy_openrlhf.config.sections.model_data import DataConfig, ModelConfig
+from entropy_openrlhf.config.sections.offpolicy import OffPolicySection
 from entropy_openrlhf.config.sections.reference import REF_GPUS_AUTO, RefConfig, reference_uses_deepspeed
 from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfig
 from entropy_openrlhf.config.sections.rollout import RolloutConfig
@@ -37,6 +38,7 @@ __all__ = [
     "LossConfig",
     "LossOptions",
     "ModelConfig",
+    "OffPolicySection",
     "RayConfig",
     "RefConfig",
     "RewardConfig",

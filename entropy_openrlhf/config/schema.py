@@ -1,5 +1,5 @@
 """`Config`: every section in the order of `--help` and of `flatten()`, plus the values derived across sections
-(`is_async`, `use_is_correction`, the reference's GPUs and micro-batch).
+(`is_async`, `use_is_correction`, `off_policy`, the reference's GPUs and micro-batch).
 """
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig
 from entropy_openrlhf.config.paths import _walk
 from entropy_openrlhf.config.sections.actor import ActorConfig
 from entropy_openrlhf.config.sections.logger_ray import LoggerConfig, RayConfig
 from entropy_openrlhf.config.sections.loss import AlgoConfig, EntropyConfig, LossConfig
 from entropy_openrlhf.config.sections.model_data import DataConfig, ModelConfig
+from entropy_openrlhf.config.sections.offpolicy import OffPolicySection
 from entropy_openrlhf.config.sections.reference import REF_GPUS_AUTO, RefConfig
 from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfig
 from entropy_openrlhf.config.sections.rollout import RolloutConfig
@@ -31,6 +33,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"name": "async"})
+    offpolicy: OffPolicySection = field(default_factory=OffPolicySection)
     sync: SyncConfig = field(default_factory=SyncConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -54,7 +57,15 @@ class Config:
 
     @property
     def use_is_correction(self) -> bool:
+        """The legacy --async.is_correction resolved: auto is on for async runs."""
         return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
+
+    @property
+    def off_policy(self) -> OffPolicyConfig:
+        """The off-policy correction the trainer applies: --offpolicy.* when a preset or a field is set, else the
+        legacy --async.is_correction / --async.is_cap (docs/off_policy.md). ValueError for a setting that cannot
+        work (validate() reports it as a ConfigError first)."""
+        return self.offpolicy.resolve(self.use_is_correction, self.async_.is_cap)
 
 
 def reference_gpus(cfg: Config) -> float:

@@ -54,6 +54,15 @@ def validate(cfg: Config) -> list[str]:
         "reward.overlong_buffer_len",
         f"{cfg.reward.overlong_buffer_len} is longer than --rollout.max_new_tokens {r.max_new_tokens}",
     )
+    # the schedule's length (actors/policy_engine.py, total_optimizer_steps): a warmup that long never reaches
+    # --actor.lr, and past their end transformers' cosine schedules rise again
+    total_steps = cfg.train.num_steps * cfg.train.mini_batches
+    need(
+        a.lr_warmup_steps < total_steps,
+        "actor.lr_warmup_steps",
+        f"{a.lr_warmup_steps} is not below the run's {total_steps} optimizer steps "
+        "(--train.num_steps x --train.mini_batches)",
+    )
 
     sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     per_step = sequences // max(cfg.train.mini_batches, 1)

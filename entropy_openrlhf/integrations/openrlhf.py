@@ -424,6 +424,12 @@ def _openrlhf_notes(name: str, rest: Sequence[str]) -> list[str]:
     p.add_argument("--train.batch_size", dest="train_batch", type=int, default=128)
     p.add_argument("--rollout.batch_size", dest="rollout_batch", type=int, default=1024)
     p.add_argument("--rollout.n_samples_per_prompt", dest="n_samples", type=int, default=1)
+    # OpenRLHF's train/rollout correction, whose defaults these are (train_ppo_ray.py)
+    p.add_argument("--algo.advantage.is_correction_level", dest="is_level", default="off")
+    p.add_argument("--algo.advantage.is_correction_mode", dest="is_mode", default="mask")
+    p.add_argument("--algo.advantage.is_correction_gating", dest="is_gating", default="ratio")
+    p.add_argument("--algo.advantage.is_correction_threshold", dest="is_threshold", type=float, nargs="+",
+                   default=[0.5, 5.0])  # fmt: skip
     try:
         args, _ = p.parse_known_args(list(rest))
     except SystemExit:  # a malformed value: train_ppo_ray's own parser reports it
@@ -433,6 +439,11 @@ def _openrlhf_notes(name: str, rest: Sequence[str]) -> list[str]:
             f"--actor.policy_loss_type {args.policy_loss_type}: --objective {name} replaces OpenRLHF's policy loss; "
             "drop the flag (for GSPO use --objective gspo)"
         )
+    from entropy_openrlhf.integrations.openrlhf_adapter import off_policy_from_openrlhf
+
+    # refused here, before Ray starts, rather than in every policy actor when the trainer builds its loss
+    threshold = ([0.0] if len(args.is_threshold) == 1 else []) + list(args.is_threshold)  # as train_ppo_ray does
+    off_policy_from_openrlhf(args.is_level, args.is_mode, args.is_gating, threshold)
     notes = []
     steps = args.max_epochs * args.rollout_batch * args.n_samples // max(args.train_batch, 1)
     if name == "kl_cov" and steps <= 1:

@@ -7,8 +7,10 @@ must not, since Ray runs that one in every worker process).
 What the adapter keeps from OpenRLHF, so that a run differs from OpenRLHF's own PPO only by the objective:
 - its constructor arguments and its call, `(log_probs, old_log_probs, advantages, action_mask=,
   rollout_log_probs=, dp_size=, batch_num_tokens=, global_batch_size=)`, and its five return values;
-- its train/rollout importance-sampling correction (`--algo.advantage.is_correction_*`): the same gate, the same
-  per-token weight, multiplied into the objective's per-token loss as OpenRLHF multiplies it into PPO's;
+- its train/rollout importance-sampling flags (`--algo.advantage.is_correction_*`), mapped onto this project's
+  off-policy correction (`off_policy_from_openrlhf`, `algorithms.off_policy.correct`, the same code as our trainer's):
+  the same per-token weight for the ratio gate, multiplied into the objective's per-token loss as OpenRLHF multiplies
+  it into PPO's; the binary_kl and tv gates have no equivalent there and are refused;
 - its loss normalisation: `token_level_loss` picks token-mean or sequence-mean, and the global normalisers that
   `ppo_train` hands every micro-batch (`batch_num_tokens`, already divided by the gradient-accumulation steps, and
   `dp_size`) become the objective's `LossContext.tokens` / `sequences` / `dp_size`, whose aggregation is
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from entropy_openrlhf.algorithms.objectives import LossContext, objective_needs_entropy, run_objective
+from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig, OffPolicyResult, correct
 
 # The objective's metric names, as our own trainer logs them (docs/metrics.md): `loss/<name>`, and `cov/<stat>` for
 # the covariance statistics; selection metrics already carry their `select/` prefix.
@@ -40,60 +43,54 @@ def metric_name(key: str) -> str:
     return f"cov/{key[len(_COV_PREFIX) :]}" if key.startswith(_COV_PREFIX) else f"loss/{key}"
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """OpenRLHF's masked mean: no guard against an empty mask (0/0 is NaN there too, and a NaN statistic fails the
-    IS gate, which is how OpenRLHF treats a response without valid tokens)."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum()
-    return (x * mask).sum(dim=dim, keepdim=True) / mask.sum(dim=dim, keepdim=True)
+FLAG = "--algo.advantage.is_correction"  # OpenRLHF's flags: FLAG + "_level", "_mode", "_gating", "_threshold"
 
 
-def is_correction(
-    old_log_probs: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    level: str,
-    mode: str,
-    gating: str,
-    threshold: tuple[float, float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """OpenRLHF's train/rollout mismatch correction: (per-token weight, filtered fraction, vllm_kl).
+def off_policy_from_openrlhf(
+    level: str, mode: str, gating: str, threshold: tuple[float, float] | list[float]
+) -> OffPolicyConfig | None:
+    """OpenRLHF's train/rollout correction flags as this project's `OffPolicyConfig` (None: level off).
 
-    The gate reads a statistic per unit (a token, or with level "seq" a response): the IS ratio
-    pi_train / pi_rollout (at sequence level its geometric mean), or the sampled token's binary KL or total variation
-    between the two policies. "clip" clamps the token ratio into [low, high]; "mask" gives units outside the band a
-    weight of 0 and the others their per-token ratio. Everything is detached: the weight rescales the loss, it is
-    not differentiated.
-    """
-    low, high = threshold
-    m = mask.float()
-    seq_level = level == "seq"
-    log_w = (old_log_probs - rollout_log_probs).detach().float()
-    token_w = log_w.exp()
-    if gating == "ratio":
-        stat = _masked_mean(log_w, m, dim=-1).exp() if seq_level else token_w
-    else:
-        # token probabilities kept off 0 and 1 so that the binary KL's logs stay finite, as OpenRLHF does
-        p = rollout_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
-        q = old_log_probs.detach().float().exp().clamp(1e-6, 1 - 1e-6)
-        if gating == "binary_kl":
-            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
-        else:  # tv
-            stat = (p - q).abs()
-        if seq_level:
-            stat = _masked_mean(stat, m, dim=-1)
+    With the ratio gate OpenRLHF's three settings are ours exactly (docs/off_policy.md, "The OpenRLHF route"):
+    - token clip: the ratio clamped into [low, high], nothing dropped: `is_level token, is_min low, is_max high`;
+    - token mask: tokens whose ratio leaves [low, high] get 0, the others their full ratio: `is_level token,
+      is_max inf, reject token, reject_min low, reject_max high`;
+    - seq mask: the same per response, gated on the geometric mean of its ratios: `reject sequence_geo`.
+    The binary_kl and tv gates read another statistic than the ratio, which our correction does not compute: refused,
+    naming the flag. A ValueError in one line, naming OpenRLHF's flag."""
+    if level == "off":
+        return None
+    if gating != "ratio":
+        raise ValueError(
+            f"{FLAG}_gating {gating}: with --objective our off-policy correction replaces OpenRLHF's, and it gates "
+            f"on the ratio pi_train / pi_rollout only; use {FLAG}_gating ratio, or {FLAG}_level off"
+        )
+    if len(threshold) != 2:
+        raise ValueError(f"{FLAG}_threshold takes LOW HIGH, got {list(threshold)}")
+    low, high = (float(x) for x in threshold)
     if mode == "clip":
-        weight = stat.clamp(min=low, max=high)
-        filtered = (stat < low) | (stat > high)
+        if level != "token":
+            raise ValueError(f"{FLAG}_mode clip requires {FLAG}_level token")
+        fields = dict(is_level="token", is_min=low, is_max=high)
     else:
-        keep = (stat >= low) & (stat <= high)
-        weight = torch.where(keep, token_w, 0.0)
-        filtered = ~keep
-    # the filtered fraction is counted per unit: over responses at sequence level, over valid tokens otherwise
-    frac = filtered.float().mean() if seq_level else _masked_mean(filtered.float(), m)
-    vllm_kl = _masked_mean(rollout_log_probs.detach().float() - old_log_probs.detach().float(), m)
-    return weight, frac, vllm_kl
+        reject = "token" if level == "token" else "sequence_geo"
+        fields = dict(is_level="token", is_max=math.inf, reject=reject, reject_min=low, reject_max=high)
+    try:
+        return OffPolicyConfig(**fields)
+    except ValueError as e:  # a band without ratio 1 in it, a reversed band: the bounds are the threshold's
+        raise ValueError(f"{FLAG}_threshold {low:g} {high:g}: {str(e).partition(': ')[2]}") from None
+
+
+def openrlhf_filter_ratio(out: OffPolicyResult, mask: torch.Tensor, cfg: OffPolicyConfig) -> float:
+    """OpenRLHF's is_filter_ratio from our correction's result: the share of units its gate filtered, over the valid
+    tokens at token level (clamped ones in clip mode, dropped ones in mask mode), over the responses at sequence
+    level, where a response without valid tokens counts as filtered (OpenRLHF's NaN statistic fails its gate)."""
+    if cfg.reject == "sequence_geo":
+        return float((~out.keep.any(dim=-1)).float().mean())
+    m = out.metrics
+    if cfg.reject == "none":
+        return m["offpolicy/clipped_high_frac"] + m["offpolicy/clipped_low_frac"]
+    return m["offpolicy/rejected_frac"]
 
 
 def _as_float(value: Any) -> float | None:
@@ -152,17 +149,11 @@ class ObjectivePolicyLoss(nn.Module):
             raise ValueError(f"is_correction_level must be off/token/seq, got {is_correction_level}")
         if is_correction_mode not in {"mask", "clip"}:
             raise ValueError(f"is_correction_mode must be mask/clip, got {is_correction_mode}")
-        if is_correction_gating not in {"ratio", "binary_kl", "tv"}:
-            raise ValueError(f"is_correction_gating must be ratio/binary_kl/tv, got {is_correction_gating}")
-        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
-            raise ValueError(
-                "is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio"
-            )
         threshold = tuple(float(x) for x in is_correction_threshold)
-        if len(threshold) != 2:
-            raise ValueError(f"is_correction_threshold takes LOW HIGH, got {list(is_correction_threshold)}")
-        if is_correction_gating != "ratio" and is_correction_level != "off" and threshold[0] > 0:
-            raise ValueError(f"is_correction_gating={is_correction_gating} takes an upper bound only (a single delta)")
+        # the correction our trainer applies, from OpenRLHF's flags (refuses the gates it has no equivalent of)
+        self.off_policy = off_policy_from_openrlhf(
+            is_correction_level, is_correction_mode, is_correction_gating, threshold
+        )
 
         self.clip_eps_low = clip_eps_low
         self.clip_eps_high = clip_eps_high
@@ -206,14 +197,18 @@ class ObjectivePolicyLoss(nn.Module):
         self.last_shape = tuple(log_probs.shape)
 
         weights = is_filter_ratio = vllm_kl = None
-        if self.is_correction_level != "off":
+        correction_metrics: dict[str, float] = {}
+        if self.off_policy is not None:
             if rollout_log_probs is None:
                 raise ValueError("--algo.advantage.is_correction_level needs the rollout log-probs, and none came")
-            weights, is_filter_ratio, vllm_kl = is_correction(
-                old_log_probs, rollout_log_probs, mask, level=self.is_correction_level,
-                mode=self.is_correction_mode, gating=self.is_correction_gating,
-                threshold=self.is_correction_threshold,
-            )  # fmt: skip
+            correction = correct(old_log_probs, rollout_log_probs, mask, self.off_policy)
+            weights = correction.weights
+            device = log_probs.device
+            is_filter_ratio = torch.tensor(openrlhf_filter_ratio(correction, mask, self.off_policy), device=device)
+            # OpenRLHF's vllm_kl: the mean of log pi_rollout - log pi_train over the valid tokens, our kl_k1
+            vllm_kl = torch.tensor(correction.metrics["offpolicy/kl_k1"], device=device)
+            # OpenRLHF averages every status metric; a maximum would read as a mean there
+            correction_metrics = {k: v for k, v in correction.metrics.items() if k != "offpolicy/weight_max"}
 
         entropy, self.entropy = self.entropy, None
         if self.needs_entropy and entropy is None:
@@ -245,6 +240,7 @@ class ObjectivePolicyLoss(nn.Module):
         )  # fmt: skip
 
         metrics = {metric_name(k): v for k, v in {**out.metrics, **selection_metrics}.items()}
+        metrics.update(correction_metrics)
         self.last_metrics = metrics
 
         device = out.loss.device

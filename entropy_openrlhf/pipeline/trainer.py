@@ -233,7 +233,9 @@ class Trainer(Checkpointing, NodeLossHandling):
 
     # ------------------------------------------------------------------ trainer side
 
-    def _train_samples(self, batch: Batch):
+    def _train_samples(self, batch: Batch, step: int | None = None):
+        """The policy's samples of `batch`, with their advantages and, given the `step` they train at, their
+        staleness (policy versions behind the trainer; 0 without a step)."""
         rewards, ids = group_rewards(batch.groups)
         adv = compute_advantages(torch.tensor(rewards), torch.tensor(ids), self.cfg.algo.advantage).tolist()
         flat = [s for g in batch.groups for s in g]
@@ -245,6 +247,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 rollout_log_probs=s.rollout_log_probs,
                 ref_log_probs=s.ref_log_probs,
                 response_mask=self._loss_mask(s),
+                staleness=0 if step is None else step - s.policy_version,
             )
             for s, a in zip(flat, adv)
         ]
@@ -295,7 +298,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 flat = [s for g in batch.groups for s in g]
                 t0 = time.time()
                 train_metrics = self.policy.train_step(
-                    self._train_samples(batch), step, strength_scale=self.entropy_ctl.scale,
+                    self._train_samples(batch, step), step, strength_scale=self.entropy_ctl.scale,
                     entropy_coef=self.entropy_ctl.bonus,
                 )  # fmt: skip
                 t_train = time.time() - t0

@@ -257,7 +257,7 @@ def test_first_mini_batch_old_log_probs_from_its_training_forward(ray_cluster, t
     update = max_diff(separate, {k: initial[k] for k in separate})
     assert update > 1e-4  # the step moved the weights
     assert max_diff(reused, separate) < 1e-4 * update
-    for key in ("entropy/seq_mean", "rollout/vllm_kl", "rollout/is_weight_mean", "loss/kl_cov_frac"):
+    for key in ("entropy/seq_mean", "rollout/vllm_kl", "offpolicy/weight_mean", "loss/kl_cov_frac"):
         assert reused_metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-7), key
     first, total = _micro_batches(from_args(SMOKE_STEP), len(fixed_batch()))
     assert first < total  # more than one mini-batch: the separate pass has work either way

@@ -96,14 +96,22 @@ def test_same_seed_same_output(group, prompts):
     assert tokens(alone) == tokens(first)[-3:]
 
 
-def test_rollout_log_probs_are_temperature_one_log_probs(group, prompts, tiny_model):
-    """Sampled at T=0.7, the recorded log-probs are still the model's T=1 log-probs, which the trainer computes."""
+def test_rollout_log_probs_are_those_of_the_sampled_distribution(group, prompts, tiny_model):
+    """Sampled at T=0.7, the recorded log-probs are log_softmax(logits / 0.7), the distribution the tokens came from
+    (the engine's processed_logprobs), which the trainer computes at --rollout.temperature; not the T=1 ones.
+    The trainer's own forward against them: test_sampling_temperature.py."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     samples = group.generate(prompts, n=2, temperature=0.7, top_p=1.0, max_new_tokens=20, seed=3, policy_version=0)
     for s in samples:
-        assert max_diff(s.rollout_log_probs, hf_log_probs(model, s.prompt_token_ids, s.response_token_ids)) < 1e-3
+        ids = torch.tensor([list(s.prompt_token_ids) + list(s.response_token_ids)])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(s.prompt_token_ids) - 1 : -1].float()
+        tempered = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
+        assert max_diff(s.rollout_log_probs, tempered.tolist()) < 1e-3
+    assert max(max_diff(s.rollout_log_probs, hf_log_probs(model, s.prompt_token_ids, s.response_token_ids))
+               for s in samples if s.response_token_ids) > 0.05  # fmt: skip
 
 
 def test_update_weights_matches_transformers(group, tiny_model):

@@ -134,6 +134,8 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
     weights = [
         torch.exp(o - torch.tensor(s.rollout_log_probs)).clamp(max=cfg.async_.is_cap) for s, o in zip(samples, old_rows)
     ]
+    if cfg.off_policy.bypass:  # pi_old is the rollout's (old_rows): nothing to reweight
+        weights = [torch.ones(len(s.response_ids)) for s in samples]
     per_mini, fracs = N // MINI, []
     per_rank = per_mini // workers
     for mini in range(MINI):
@@ -308,4 +310,30 @@ def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss,
     n_mini_tokens = [sum(len(s.response_ids) for s in samples[i : i + MICRO]) for i in range(0, N, MICRO)]
     per_micro_mean = [float(torch.cat(weights[i : i + MICRO]).mean()) for i in range(0, N, MICRO)]
     assert len(per_micro_mean) == len(n_mini_tokens)
-    assert metrics["rollout/is_weight_mean"] == pytest.approx(sum(per_micro_mean) / len(per_micro_mean), abs=1e-5)
+    assert metrics["offpolicy/weight_mean"] == pytest.approx(sum(per_micro_mean) / len(per_micro_mean), abs=1e-5)
+    assert metrics["offpolicy/weight_max"] == pytest.approx(IS_CAP)  # reduced by max over micro-batches
+
+
+def test_bypass_step_equals_the_reference_step_against_the_rollout_log_probs(ray_cluster, tiny_model):
+    """--offpolicy.bypass: the actor runs no old-log-prob pass and its PPO ratio is pi_theta / pi_rollout. The same
+    KL-Cov step with the rollout's log-probs as pi_old (and no weights) is the reference; with the model's own
+    log-probs as pi_old it misses."""
+    cfg = config("kl_cov", "micro_batch", 1, "on")
+    cfg.offpolicy.bypass = True  # a new flag: the legacy --async.is_correction on of config() is ignored
+    samples, old_rows = make_batch(tiny_model)
+    rollout_rows = [torch.tensor(s.rollout_log_probs) for s in samples]
+    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    group = PolicyGroup(cfg, tiny_model)
+    try:
+        metrics = group.train_step(samples, STEP)
+        actor = group.call_all("export_weights")[0]
+    finally:
+        group.shutdown()
+    assert metrics["train/old_pass_micro_batches"] == 0
+    expected, _, _ = reference_step(tiny_model, cfg, samples, rollout_rows, 1)
+    update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
+    deviation = max(float((actor[k].float() - expected[k]).abs().max()) for k in actor)
+    print(f"\nbypass: update {update:.3g}, deviation {deviation:.3g}")
+    assert update > 1e-3 and deviation < 1e-3 * update
+    recomputed, _, _ = reference_step(tiny_model, cfg, samples, old_rows, 1)
+    assert max(float((actor[k].float() - recomputed[k]).abs().max()) for k in actor) > 20e-3 * update

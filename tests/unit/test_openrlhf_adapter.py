@@ -78,8 +78,6 @@ IS_CASES = [
     {"is_correction_level": "token", "is_correction_threshold": [0.8, 1.25]},
     {"is_correction_level": "seq", "is_correction_threshold": [0.9, 1.1]},
     {"is_correction_level": "token", "is_correction_mode": "clip", "is_correction_threshold": [0.8, 1.25]},
-    {"is_correction_level": "token", "is_correction_gating": "binary_kl", "is_correction_threshold": [0.0, 0.02]},
-    {"is_correction_level": "seq", "is_correction_gating": "tv", "is_correction_threshold": [0.0, 0.1]},
     {"token_level_loss": False, "dual_clip": 3.0, "clip_eps_high": 0.28},
     {"token_level_loss": False, "is_correction_level": "token", "is_correction_threshold": [0.8, 1.25]},
 ]
@@ -102,6 +100,26 @@ def test_ppo_objective_matches_openrlhf_policy_loss(kwargs):
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-7)
     if kwargs.get("is_correction_level", "off") != "off":
         assert 0 < ours[4].item() < 1  # the gate filtered some units but not all: the case is not vacuous
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"is_correction_gating": "binary_kl", "is_correction_threshold": [0.0, 0.02]},
+         "--algo.advantage.is_correction_gating binary_kl: "),
+        ({"is_correction_gating": "tv", "is_correction_threshold": [0.0, 0.1]},
+         "--algo.advantage.is_correction_gating tv: "),
+        ({"is_correction_threshold": [1.1, 2.0]}, "--algo.advantage.is_correction_threshold 1.1 2: "),
+    ],
+)  # fmt: skip
+def test_corrections_without_an_equivalent_are_refused_naming_the_flag(kwargs, needle):
+    """The binary_kl and tv gates read a statistic our off-policy correction does not compute; a band without ratio
+    1 in it would drop on-policy tokens. Refused in one line, at construction and by the command line."""
+    cls = route.install("ppo")
+    with pytest.raises(ValueError) as e:
+        cls(is_correction_level="token", **kwargs)
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value)
+    cls(**kwargs)  # level off (the default): nothing to map, nothing refused
 
 
 def test_without_global_normaliser_the_loss_is_this_calls_token_mean():
@@ -325,8 +343,11 @@ def test_split_argv_keeps_openrlhfs_flags_in_order_and_types_ours():
         (["--objective", "kl_cov", "--objective.ratio", "lots"], "error: --objective.ratio: expected float"),
         (["--objective", "kl_cov", "--actor.policy_loss_type", "gspo"], "error: --actor.policy_loss_type gspo"),
         (["--objective", "kl_cov", "--objective.coef"], "error: --objective.coef: expected a value"),
+        (["--objective", "kl_cov", "--algo.advantage.is_correction_level", "token",
+          "--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_threshold", "0.1"],
+         "error: --algo.advantage.is_correction_gating tv: "),
     ],
-)
+)  # fmt: skip
 def test_cli_errors_are_one_line_and_start_nothing(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(route.runpy, "run_module", lambda *a, **k: pytest.fail("train_ppo_ray must not start"))
     assert route.main(argv) == 2

@@ -5,6 +5,7 @@
 - actor.py: `--actor.*`
 - loss.py: `--loss.*` (and `--loss.<objective>.*`), `--entropy.*`, `--algo.*`
 - train.py: `--train.*`, `--async.*`, `--sync.*`
+- offpolicy.py: `--offpolicy.*`
 - reference.py: `--ref.*`
 - reward_eval.py: `--reward.*`, `--eval.*`
 - logger_ray.py: `--logger.*`, `--ray.*`

@@ -18,8 +18,14 @@ class RolloutConfig(Section):
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="engine", example='{"node_a": 1}'))
     batch_size: int = _f(8, "prompts per RL step")
     n_samples_per_prompt: int = _f(4, "responses per prompt (the GRPO group size)")
-    temperature: float = _f(1.0, "sampling temperature (the paper: 1.0)")
-    top_p: float = _f(1.0, "nucleus sampling")
+    temperature: float = _f(
+        1.0,
+        "sampling temperature (the paper: 1.0); the trainer's log-probs, entropies and the reference's are those of "
+        "the same logits / T, and vLLM returns the sampled distribution's log-probs (docs/off_policy.md)",
+    )
+    top_p: float = _f(
+        1.0, "nucleus sampling; only 1 trains: the trainer's log-probs do not truncate the distribution as top_p does"
+    )
     max_new_tokens: int = _f(128, "maximum response length in tokens")
     max_model_len: int = _f(1024, "prompt + response tokens the engine accepts")
     generate_timeout_s: float = _f(
@@ -61,6 +67,15 @@ class RolloutConfig(Section):
                 (self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
                 (self.temperature > 0, "rollout.temperature", "must be > 0"),
                 (0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
+                # vLLM's log-probs would be those of the renormalised nucleus, the trainer's of the whole vocabulary
+                # at T: the importance ratio and PPO's ratio would mix two distributions
+                (
+                    not 0 < self.top_p < 1,
+                    "rollout.top_p",
+                    f"{self.top_p:g} is refused in training: the trainer computes log-probs over the whole vocabulary "
+                    "(at --rollout.temperature), not over the nucleus top_p keeps, so pi_old and pi_rollout would be "
+                    "different distributions; use 1",
+                ),
                 (self.num_engines >= 1, "rollout.num_engines", "must be >= 1"),
                 (self.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)"),
                 (0 <= gmu <= 1, "rollout.gpu_memory_utilization", f"{gmu:g} must be in (0, 1], or 0 for auto"),

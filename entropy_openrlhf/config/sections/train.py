@@ -44,10 +44,11 @@ class AsyncConfig(Section):
     max_staleness: int = _f(1, "policy versions a rollout may lag the trainer (0 = synchronous)")
     is_correction: str = _f(
         "auto",
-        "truncated importance sampling vs the rollout log-probs: auto (on when async) | on | off",
+        "deprecated, use --offpolicy.*: truncated importance sampling vs the rollout log-probs: auto (on when "
+        "async) | on | off; decides only while every --offpolicy.* flag is at its default",
         choices=("auto", "on", "off"),
     )
-    is_cap: float = _f(2.0, "cap of the token-level importance weight")
+    is_cap: float = _f(2.0, "deprecated, use --offpolicy.is_max: cap of the token-level importance weight")
 
     def checks(self) -> list[str]:
         return _failed(
