@@ -114,9 +114,12 @@ class PolicyActor:
         # 1. old log-probs and entropies with the weights the optimizer steps start from. The first mini-batch's
         # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
         # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
-        # both keep the separate pass.
-        first_from_training = self.dropout_free and not s.select_globally
-        no_grad_from = s.micro_per_mini if first_from_training else 0  # the micro-batches the no-grad pass computes
+        # both keep the separate pass. Under --offpolicy.bypass the old log-probs are the rollout's (prepare_step)
+        # and no micro-batch takes the pass: each one's entropies and metrics come from its training forward.
+        bypass = s.off_policy.bypass
+        first_from_training = bypass or (self.dropout_free and not s.select_globally)
+        # the micro-batches the no-grad pass computes: from no_grad_from on
+        no_grad_from = len(s.batches) if bypass else s.micro_per_mini if first_from_training else 0
         old_log_probs(self.setup, self.engine, s, range(no_grad_from, len(s.batches)))
         # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
         s.add("train/old_pass_micro_batches", len(s.batches) - no_grad_from)
@@ -125,7 +128,7 @@ class PolicyActor:
         self.engine.train()
         skipped = 0
         for mini in range(self.cfg.train.mini_batches):
-            old_from_training = first_from_training and mini == 0
+            old_from_training = bypass or (first_from_training and mini == 0)
             if not optimizer_step(self.setup, self.engine, s, mini, old_from_training):
                 skipped += 1
         self.version += 1

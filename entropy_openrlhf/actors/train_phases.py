@@ -3,11 +3,17 @@
 1. `prepare_step`: the rank's shard cut into `train.mini_batches` mini-batches of micro-batches, on the device, with
    their per-token grids and the objective's settings for this step;
 2. `old_log_probs`: the no-grad pass, old log-probs and token entropies with the weights the step starts from;
-   `observe_old` turns them into metrics and, through `importance_weights`, into the off-policy correction;
+   `observe_old` turns them into metrics and, through `algorithms.off_policy.correct` (`--offpolicy.*`), into the
+   per-token weights of the off-policy correction. Under `--offpolicy.bypass` pi_old is the rollout's log-probs and
+   this pass does not run: each training forward gives its micro-batch's entropies and metrics instead;
 3. `optimizer_step`, once per mini-batch: the objective's selection over the whole mini-batch when it is global
    (`select_globally`), then forward, loss and backward per micro-batch (`train_micro_batch`), and one optimizer step,
    the loss normalised over the whole mini-batch on all ranks so that micro-batching and sharding do not change it;
 4. `step_result`: the step's metrics on this rank.
+
+Every forward here runs at `--rollout.temperature` (logits / T before the log-softmax and the entropy), the
+distribution vLLM sampled from and returns log-probs of; `response_log_probs`, the weight-sync check's, stays at T = 1
+like the engine's prompt log-probs it is compared with.
 
 Plain functions over explicit inputs: the rank's fixed facts (`RankSetup`), the DeepSpeed engine, and the step's
 state (`StepState`), which the phases fill in as they go. The actor keeps the state between steps and decides which
@@ -38,6 +44,7 @@ from entropy_openrlhf.algorithms.objectives import (
     run_objective,
     select_tokens,
 )
+from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig, correct, metrics_by_staleness
 from entropy_openrlhf.algorithms.selection import pooled_selection
 from entropy_openrlhf.compat import ensure_flash_attn_importable
 from entropy_openrlhf.config import Config
@@ -64,6 +71,7 @@ class StepState:
 
     step: int
     params: Any  # the objective's settings, scaled by the entropy controller
+    off_policy: OffPolicyConfig  # the correction (`Config.off_policy`); with bypass, old_lp is the rollout's
     select_globally: bool
     needs_entropy: bool
     bonus_coef: float
@@ -75,6 +83,7 @@ class StepState:
     old_lp: list[torch.Tensor | None]
     entropies: list[torch.Tensor | None]
     is_weights: list[torch.Tensor | None]
+    staleness: list[torch.Tensor]  # per micro-batch, (B,): policy versions each response lags the trainer
     metrics: dict[str, list[float]] = field(default_factory=dict)
     lr: float = 0.0  # the learning rate the last optimizer step applied (optimizer_step)
 
@@ -94,7 +103,9 @@ def make_batch(setup: RankSetup, engine: Any, prompt_ids: list[list[int]], respo
 def response_log_probs(
     setup: RankSetup, engine: Any, prompt_ids: list[list[int]], response_ids: list[list[int]]
 ) -> list[list[float]]:
-    """The current weights' log-prob of each response token, one list per response (no grad; outside any step)."""
+    """The current weights' log-prob of each response token, one list per response (no grad; outside any step), at
+    T = 1: the engine's `sequence_log_probs` it is checked against are raw prompt log-probs, never temperature-scaled
+    (vLLM's prompt log-probs skip the sampler)."""
     b = make_batch(setup, engine, prompt_ids, response_ids)
     engine.eval()
     with torch.no_grad():
@@ -144,20 +155,25 @@ def prepare_step(
     has_ref = all(s.ref_log_probs is not None for s in samples)
     lc = cfg.loss
     objective = get_objective(lc.type)
+    off_policy = cfg.off_policy
+    rollout_lp = grid(lambda s: s.rollout_log_probs)
     return StepState(
         step=step,
         params=objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob),
+        off_policy=off_policy,
         select_globally=lc.scope == "global" and objective.select is not None,
         needs_entropy=objective_needs_entropy(lc.type, lc),
         bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
         micro_per_mini=len(micro) // n_mini,
         batches=batches,
         advantages=grid(lambda s: [s.advantage] * len(s.response_ids)),
-        rollout_lp=grid(lambda s: s.rollout_log_probs),
+        rollout_lp=rollout_lp,
         ref_lp=grid(lambda s: s.ref_log_probs) if has_ref else None,
-        old_lp=[None] * len(batches),
+        # bypass: pi_old is the policy that sampled the responses, so PPO's ratio is pi_theta / pi_rollout
+        old_lp=list(rollout_lp) if off_policy.bypass else [None] * len(batches),
         entropies=[None] * len(batches),
         is_weights=[None] * len(batches),
+        staleness=[torch.tensor([s.staleness for s in m], device=b.mask.device) for m, b in zip(micro, batches)],
     )
 
 
@@ -167,28 +183,26 @@ def prepare_step(
 def old_log_probs(setup: RankSetup, engine: Any, s: StepState, indices: Sequence[int]) -> None:
     """The no-grad pass: old log-probs and token entropies of the micro-batches `indices`, then their metrics."""
     engine.eval()
+    temperature = setup.cfg.rollout.temperature
     with torch.no_grad():
         for i in indices:
-            lp, s.entropies[i] = forward_log_probs(engine, s.batches[i], with_entropy=True)
+            lp, s.entropies[i] = forward_log_probs(engine, s.batches[i], temperature=temperature, with_entropy=True)
             s.old_lp[i] = lp.float()
     for i in indices:
         observe_old(setup.cfg, s, i)
 
 
-def importance_weights(cfg: Config, old_lp: torch.Tensor, rollout_lp: torch.Tensor) -> torch.Tensor | None:
-    """The off-policy correction of one micro-batch: per-token weights p_old / p_rollout = exp(old - rollout),
-    truncated at `--async.is_cap` (truncated importance sampling); None when `--async.is_correction` is off. The
-    objective multiplies each token's loss by its weight (run_objective's `is_weights`)."""
-    if not cfg.use_is_correction:
-        return None
-    return torch.exp((old_lp - rollout_lp).clamp(-20, 20)).clamp(max=cfg.async_.is_cap)
-
-
-def observe_old(cfg: Config, s: StepState, i: int) -> None:
-    """Micro-batch i's importance weights, and the metrics of its old log-probs against the rollout's and the
-    reference's."""
-    b, lp, r = s.batches[i], s.old_lp[i], s.rollout_lp[i]
-    s.is_weights[i] = importance_weights(cfg, lp, r)
+def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None = None) -> None:
+    """Micro-batch i's off-policy weights (`--offpolicy.*`), and the metrics of the current weights' log-probs
+    (`current`; by default the old pass's, s.old_lp[i]) and of s.entropies[i] against the rollout's and the
+    reference's. The objective multiplies each token's loss by its weight (run_objective's `is_weights`); a rejected
+    token's weight is 0 and it stays in the mask, hence in the normaliser (docs/off_policy.md)."""
+    b, r = s.batches[i], s.rollout_lp[i]
+    lp = s.old_lp[i] if current is None else current
+    op = s.off_policy
+    out = correct(lp, r, b.mask, op)
+    # without a weight or a rejection every valid token weighs 1: nothing to multiply
+    s.is_weights[i] = out.weights if op.is_level != "none" or op.reject != "none" else None
     n = int(b.mask.sum())
     if n == 0:
         return
@@ -203,10 +217,19 @@ def observe_old(cfg: Config, s: StepState, i: int) -> None:
     if s.ref_lp is not None:
         kl = compute_approx_kl(lp, s.ref_lp[i], kl_estimator=cfg.algo.kl_estimator)
         s.add("kl/ref", float((kl * b.mask).sum() / n))
-    if s.is_weights[i] is not None:
-        w = s.is_weights[i]
-        s.add("rollout/is_weight_mean", float((w * b.mask).sum() / n))
-        s.add("rollout/is_capped_frac", float(((w >= cfg.async_.is_cap) * b.mask).sum() / n))
+    # under bypass `correct` sees no gap (pi_old is the rollout's): the gap shown is the current weights' against
+    # the rollout's, with nothing reweighted (bypass admits no is_level or reject)
+    shown = dataclasses.replace(op, bypass=False) if op.bypass else op
+    for k, v in (correct(lp, r, b.mask, shown).metrics if op.bypass else out.metrics).items():
+        s.add(k, v)
+    by_staleness = metrics_by_staleness(lp, r, b.mask, s.staleness[i], shown)
+    for k, v in by_staleness.items():
+        s.add(k, v)
+    # a staleness this rank trains on but this micro-batch lacks holds 0 of its tokens: the mean over micro-batches
+    # is then the group's average share
+    for v in {int(x) for t in s.staleness for x in t.tolist()}:
+        if f"offpolicy/staleness_{v}/token_frac" not in by_staleness:
+            s.add(f"offpolicy/staleness_{v}/token_frac", 0.0)
 
 
 # ------------------------------------------------------------------ 3. the optimizer steps
@@ -214,8 +237,9 @@ def observe_old(cfg: Config, s: StepState, i: int) -> None:
 
 def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_from_training: bool) -> bool:
     """Mini-batch `mini`: its selection (global scope), then forward, loss and backward per micro-batch, and one
-    optimizer step. `old_from_training`: its old log-probs come from these forwards. Whether DeepSpeed applied
-    the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they were)."""
+    optimizer step. `old_from_training`: what the old pass gives (train_micro_batch) comes from these forwards.
+    Whether DeepSpeed applied the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they
+    were)."""
     lc = setup.cfg.loss
     # the rate this step applies: DeepSpeed steps the schedule after the optimizer step (policy_engine.py), so the
     # param groups hold the next step's afterwards
@@ -249,11 +273,16 @@ def select_globally(
 ) -> tuple[dict[int, torch.Tensor], LossContext]:
     """`--loss.scope global`: the objective's selection over the whole mini-batch on all ranks; the masks per
     micro-batch and the loss context that carries the pooled means and count."""
-    if mini == 0:  # the weights have not moved yet this step: the old pass's values are current
+    temperature = setup.cfg.rollout.temperature
+    # the weights have not moved yet this step: the old pass's values are current (under bypass there is none)
+    if mini == 0 and not s.off_policy.bypass:
         current = [(s.old_lp[i], s.entropies[i]) for i in idx]
     else:
         with torch.no_grad():
-            current = [forward_log_probs(engine, s.batches[i], with_entropy=s.needs_entropy) for i in idx]
+            current = [
+                forward_log_probs(engine, s.batches[i], temperature=temperature, with_entropy=s.needs_entropy)
+                for i in idx
+            ]
     pooled = [
         TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
         for (lp, ent), i in zip(current, idx)
@@ -274,13 +303,20 @@ def select_globally(
 def train_micro_batch(
     setup: RankSetup, engine: Any, s: StepState, i: int, ctx: LossContext, old_from_training: bool
 ) -> None:
-    """Forward, the objective's loss (plus the KL and entropy-bonus terms) and backward of micro-batch i."""
+    """Forward, the objective's loss (plus the KL and entropy-bonus terms) and backward of micro-batch i.
+    `old_from_training`: what the old pass would give of this micro-batch (entropies, metrics, off-policy weights
+    and, unless bypass keeps the rollout's, the old log-probs) comes from this forward."""
     cfg, lc, b = setup.cfg, setup.cfg.loss, s.batches[i]
     with_bonus = s.bonus_coef > 0  # at 0 no entropy gradient is computed: the bonus off costs nothing
-    lp, ent = forward_log_probs(engine, b, with_entropy=s.needs_entropy or old_from_training, entropy_grad=with_bonus)
+    lp, ent = forward_log_probs(
+        engine, b, temperature=cfg.rollout.temperature, with_entropy=s.needs_entropy or old_from_training,
+        entropy_grad=with_bonus,
+    )  # fmt: skip
     if old_from_training:
-        s.old_lp[i], s.entropies[i] = lp.detach().float(), ent.detach()
-        observe_old(cfg, s, i)
+        current, s.entropies[i] = lp.detach().float(), ent.detach()
+        if not s.off_policy.bypass:
+            s.old_lp[i] = current
+        observe_old(cfg, s, i, current)
     # the objective's selection reads the entropy detached; only the bonus differentiates it
     entropy = ent.detach() if s.needs_entropy else None
     out, selection_metrics = run_objective(
