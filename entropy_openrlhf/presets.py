@@ -40,6 +40,10 @@ _DAPO_COMMON: dict[str, Any] = {
     "rollout.max_model_len": 2048 + 8192,  # max_prompt_length + max_response_length
     "train.mini_batches": 8,
     "actor.lr": 1e-6,
+    # constant, no warmup: the verl recipe scripts pass optim.warmup_style=constant and leave lr_warmup_steps_ratio
+    # at its default 0. Stated here so that a change of the flags' defaults cannot change the recipe
+    "actor.lr_scheduler": "constant",
+    "actor.lr_warmup_steps": 0,
     "actor.weight_decay": 0.0,
     "actor.grad_clip": 1.0,
     "algo.advantage": "grpo",

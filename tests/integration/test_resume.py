@@ -8,11 +8,14 @@
   run too (determinism of two synchronous runs). A planted half-written `.tmp-step4` folder is not picked.
 - A resume with another seed is refused before any actor starts; a fresh run in a folder that holds checkpoints
   saves over them through `.old-step<N>`, leaving the new checkpoint only.
-- A policy group restored from a DeepSpeed checkpoint has the saved weights, optimizer moments and RNG state: its
-  next step is bit-identical to the step the saving group took.
+- A policy group restored from a DeepSpeed checkpoint has the saved weights, optimizer moments, learning-rate
+  schedule and RNG state: its next step is bit-identical to the step the saving group took.
+- Both runs use a cosine learning-rate schedule with warmup, so the logged `train/lr` of a resumed run must repeat
+  the uninterrupted run's, which follows the schedule's formula.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -38,7 +41,13 @@ FLAGS = [
     # the entropy controller, with a band above any entropy a 384-token vocabulary allows (ln 384 = 5.95 nats): its
     # scale rises every step, so a resume that lost its state would train and log differently from the checkpoint on
     "--entropy.target", "20,30", "--entropy.knob", "ratio",
+    # a learning rate that changes at every optimizer step: a resume that restarted the schedule, or lost its place
+    # in it, would log another train/lr and train differently from the checkpoint on
+    "--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "2",
 ]  # fmt: skip
+# the smoke preset's lr 1e-4, cosine to 0 over 4 steps x 2 mini-batches = 8 optimizer steps after 2 of warmup; each
+# RL step logs the rate of its last optimizer step (1, 3, 5, 7): warmup 1/2, then (1 + cos(pi p)) / 2, p = (k - 2) / 6
+WANT_LR = [1e-4 * 0.5] + [1e-4 * (1 + math.cos(math.pi * (k - 2) / 6)) / 2 for k in (3, 5, 7)]
 RUN_TIMEOUT_S = 900
 # numbers that depend on the machine's speed, not on what was computed
 TIMING = ("time/", "throughput/", "reward/seconds_per_sample")
@@ -166,6 +175,8 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     # and it reaches the actor: the selected share grows with the scaled ratio (step 0 trains at scale 1)
     frac = f"loss/{pipeline}_frac"
     assert want[3][frac] > 2 * want[0][frac], (want[0][frac], want[3][frac])
+    # the learning rate follows its schedule
+    assert [want[s]["train/lr"] for s in range(4)] == pytest.approx(WANT_LR, rel=1e-9)
 
     # 2. the same run, killed (every process of it, at once) in step 3: after the step-2 checkpoint and after step 2
     # was logged, so the resumed run redoes work that was already logged
@@ -220,6 +231,8 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     }
     assert {k: v for k, v in redone[2].items() if not k.startswith(TIMING)} == before_kill[2]
     after = logged(killed)
+    # the schedule came back with the checkpoint: the resumed steps run at the uninterrupted run's rates
+    assert [after[s]["train/lr"] for s in (2, 3)] == [want[s]["train/lr"] for s in (2, 3)]
     for step in (2, 3):
         assert after[step] == want[step], step
     tables, want_tables = sample_tables(killed), sample_tables(reference)
@@ -245,7 +258,10 @@ def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_
     from entropy_openrlhf.config import from_args
     from tests.integration.test_policy import fixed_batch
 
-    cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"], {"loss.type": "ppo"})
+    # a schedule whose rate changes at every optimizer step: the restored step must run at the saved step's rate
+    flags = ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3",
+             "--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1"]  # fmt: skip
+    cfg = from_args(flags, {"loss.type": "ppo"})
     group = PolicyGroup(cfg, tiny_model)
     actor = group.actors[0]
     ckpt = str(tmp_path / "deepspeed")

@@ -36,6 +36,8 @@ PAPER_RECIPE = {
     "rollout.batch_size": 256,  # train_batch_size = 256 prompts
     "train.mini_batches": 8,  # ppo_mini_batch_size = 32 prompts: 8 optimizer steps per rollout step
     "actor.lr": 1e-6,  # constant, no warmup (verl recipe; the fork's final 7B scripts use 5e-7)
+    "actor.lr_scheduler": "constant",
+    "actor.lr_warmup_steps": 0,
     "actor.weight_decay": 0.0,
     "actor.grad_clip": 1.0,
     "rollout.max_new_tokens": 8192,  # max_response_length
@@ -68,6 +70,8 @@ def test_dapo_presets_carry_the_paper_recipe(name):
     for key, value in PAPER_RECIPE.items():
         assert flat[key] == value, key
     assert flat["loss.kl_cov.ratio"] == KL_COV_RATIO[name]
+    # the schedule is the preset's own, not the flags' defaults
+    assert PRESETS[name]["actor.lr_scheduler"] == "constant" and PRESETS[name]["actor.lr_warmup_steps"] == 0
     # no entropy bonus (the paper has none) and the entropy controller (not in the paper either) is off
     assert flat["loss.entropy_coef"] == 0.0
     assert flat["entropy.target"] == ""

@@ -14,7 +14,21 @@ class ActorConfig(Section):
     num_cpus_per_worker: float = _f(1.0, "Ray CPUs per policy actor")
     num_gpus_per_worker: float = _f(0.0, "Ray GPUs per policy actor")
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="policy rank", example='{"node_b": 1}'))
-    lr: float = _f(1e-5, "AdamW learning rate, constant (the paper's 1e-6 is for 7B/32B: the qwen presets set it)")
+    lr: float = _f(
+        1e-5,
+        "AdamW peak learning rate, shaped by --actor.lr_scheduler (the paper's 1e-6 is for 7B/32B: the qwen presets "
+        "set it)",
+    )
+    lr_scheduler: str = _f(
+        "constant",
+        "learning-rate schedule over the run's optimizer steps (train.num_steps x train.mini_batches): {choices}; "
+        "cosine and linear decay from --actor.lr after the warmup to --actor.min_lr_ratio x lr at the last step",
+        choices=("constant", "cosine", "linear"),
+    )
+    lr_warmup_steps: int = _f(
+        0, "optimizer steps (not RL steps) of linear warmup from 0 to --actor.lr before the schedule (0 = none)"
+    )
+    min_lr_ratio: float = _f(0.0, "cosine and linear: the learning rate they end at, as a fraction of --actor.lr")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list = _f([0.9, 0.999], "AdamW betas")
     adam_eps: float = _f(1e-8, "AdamW epsilon (PyTorch's default)")
@@ -27,6 +41,14 @@ class ActorConfig(Section):
         return (
             _failed(
                 (self.lr > 0, "actor.lr", f"{self.lr} must be > 0"),
+                (self.lr_warmup_steps >= 0, "actor.lr_warmup_steps", f"{self.lr_warmup_steps} must be >= 0"),
+                # transformers' linear-to-lr_end schedule needs lr_end below the peak (and a ratio 1 is no decay)
+                (0 <= self.min_lr_ratio < 1, "actor.min_lr_ratio", f"{self.min_lr_ratio} must be in [0, 1)"),
+                (
+                    self.min_lr_ratio == 0 or self.lr_scheduler != "constant",
+                    "actor.min_lr_ratio",
+                    "a constant schedule stays at --actor.lr: only cosine and linear decay to the ratio",
+                ),
                 (self.grad_clip >= 0, "actor.grad_clip", "must be >= 0"),
                 (self.adam_eps > 0, "actor.adam_eps", f"{self.adam_eps} must be > 0"),
                 (self.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3"),
