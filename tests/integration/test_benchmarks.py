@@ -40,6 +40,13 @@ def test_prefix_sharing_measures_all_three_modes():
     assert key == "prefix_sharing_step_speedup" and speedup > 0
 
 
+def test_bypass_times_both_paths_on_the_same_batch():
+    key, ratio = run_benchmark(
+        "bypass", "--samples", "8", "--prompt-len", "32", "--response-len", "16", "--repeats", "1"
+    )
+    assert key == "bypass_step_ratio" and ratio > 0
+
+
 def test_loss_overhead_measures_every_registered_objective():
     """The step table runs every objective of the registry (both scopes where it selects) through the real actor."""
     key, ratio = run_benchmark(
