@@ -57,6 +57,11 @@ def test_unknown_flag_and_preset_are_named():
         ("loss.kl_cov.ratio", 1.5, "--loss.kl_cov.ratio"),
         ("loss.clip_cov.ratio", -1e-4, "--loss.clip_cov.ratio"),
         ("actor.lr", -1e-6, "--actor.lr"),
+        ("actor.lr_scheduler", "step", "--actor.lr_scheduler"),
+        ("actor.lr_warmup_steps", -1, "--actor.lr_warmup_steps"),
+        ("actor.lr_warmup_steps", 40, "--actor.lr_warmup_steps: 40 is not below the run's 40 optimizer steps"),
+        ("actor.min_lr_ratio", 1.0, "--actor.min_lr_ratio"),
+        ("actor.min_lr_ratio", 0.1, "--actor.min_lr_ratio: a constant schedule"),  # the default schedule is constant
         ("async.max_staleness", -1, "--async.max_staleness"),
         ("loss.type", "dpo", "--loss.type"),
         ("loss.scope", "rank", "--loss.scope"),
