@@ -43,11 +43,18 @@ FLAGS = [
     "--entropy.target", "20,30", "--entropy.knob", "ratio",
     # a learning rate that changes at every optimizer step: a resume that restarted the schedule, or lost its place
     # in it, would log another train/lr and train differently from the checkpoint on
-    "--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "2",
+    "--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "3",
 ]  # fmt: skip
-# the smoke preset's lr 1e-4, cosine to 0 over 4 steps x 2 mini-batches = 8 optimizer steps after 2 of warmup; each
-# RL step logs the rate of its last optimizer step (1, 3, 5, 7): warmup 1/2, then (1 + cos(pi p)) / 2, p = (k - 2) / 6
-WANT_LR = [1e-4 * 0.5] + [1e-4 * (1 + math.cos(math.pi * (k - 2) / 6)) / 2 for k in (3, 5, 7)]
+
+
+def scheduled_lr(k: int, warmup: int = 3, total: int = 8) -> float:
+    """The smoke preset's lr 1e-4 at optimizer step k: warmup k / 3, then a cosine to 0 at the run's 4 steps x 2
+    mini-batches = 8 optimizer steps."""
+    return 1e-4 * (k / warmup if k < warmup else (1 + math.cos(math.pi * (k - warmup) / (total - warmup))) / 2)
+
+
+# each RL step logs the rate of its last optimizer step: 1, 3, 5, 7
+WANT_LR = [scheduled_lr(k) for k in (1, 3, 5, 7)]
 RUN_TIMEOUT_S = 900
 # numbers that depend on the machine's speed, not on what was computed
 TIMING = ("time/", "throughput/", "reward/seconds_per_sample")
@@ -175,8 +182,10 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     # and it reaches the actor: the selected share grows with the scaled ratio (step 0 trains at scale 1)
     frac = f"loss/{pipeline}_frac"
     assert want[3][frac] > 2 * want[0][frac], (want[0][frac], want[3][frac])
-    # the learning rate follows its schedule
+    # the learning rate follows its schedule; a resume that restarted it would log steps 0 and 1's rates at steps 2
+    # and 3, and with 3 warmup steps neither matches (with 2, step 2's would, by chance)
     assert [want[s]["train/lr"] for s in range(4)] == pytest.approx(WANT_LR, rel=1e-9)
+    assert all(abs(a - b) > 1e-6 for a, b in zip(WANT_LR[2:], WANT_LR[:2]))
 
     # 2. the same run, killed (every process of it, at once) in step 3: after the step-2 checkpoint and after step 2
     # was logged, so the resumed run redoes work that was already logged
