@@ -1,7 +1,7 @@
 # Everything runs from .venv in the repo root; `make setup` builds it (idempotent).
 PY := .venv/bin/python
 
-# Keep all traffic on loopback (docs/cpu.md, 'Run-time environment'): Ray, vLLM, gloo and DeepSpeed.
+# Keep all traffic on loopback (docs/guides/cpu.md, 'Run-time environment'): Ray, vLLM, gloo and DeepSpeed.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export VLLM_HOST_IP := 127.0.0.1

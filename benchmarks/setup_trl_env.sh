@@ -57,7 +57,7 @@ if grep -q -E '^torch==' <<<"$peer_plan"; then
     exit 1
 fi
 "${PIP[@]}" install --quiet "${PEER[@]}" "$TORCH"
-# torchvision from PyPI breaks transformers' imports beside the CPU torch (docs/cpu.md, 'Installing')
+# torchvision from PyPI breaks transformers' imports beside the CPU torch (docs/guides/cpu.md, 'Installing')
 "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 "$VENV/bin/python" - <<'EOF'

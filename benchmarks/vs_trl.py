@@ -8,7 +8,7 @@ sequences and `--mini-batches` optimizer steps per rollout batch, lr 1e-5, no re
 
 - TRL runs in its own venv (benchmarks/.venv-trl, made by benchmarks/setup_trl_env.sh: its transformers and
   accelerate pins clash with ours) as a subprocess, generating with transformers' `generate` (`use_vllm=False`;
-  TRL's vLLM mode needs CUDA or patches, docs/cpu.md). Its reward is a plain last-\\boxed{} number match.
+  TRL's vLLM mode needs CUDA or patches, docs/guides/cpu.md). Its reward is a plain last-\\boxed{} number match.
 - Ours runs in this process as the pipelines do (real local Ray: vLLM engine, math-verify workers, DeepSpeed),
   synchronous (`--async.max_staleness 0`) and asynchronous (1).
 - Order: TRL, ours sync, ours async, TRL again (the machine's speed drifts; the two TRL runs show by how much).
@@ -16,7 +16,7 @@ sequences and `--mini-batches` optimizer steps per rollout batch, lr 1e-5, no re
 - The reward column shows that each side trains on the task; it does not compare them. The two sides draw
   different prompts (TRL's RepeatSampler shuffles with torch, our PromptStream with `random`, both seed 42), and a
   default run scores 64 samples a side; TRL's reward function and our verifier agree on TRL's completions
-  (docs/benchmarks.md, "The reward column is not a comparison").
+  (docs/guides/benchmarks.md, "The reward column is not a comparison").
 
     bash benchmarks/setup_trl_env.sh                   # once
     .venv/bin/python benchmarks/vs_trl.py               # SmolLM2, 4 prompts x 4 samples x 64 tokens, 4 steps

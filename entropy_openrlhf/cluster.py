@@ -1,4 +1,4 @@
-"""Start or join Ray with every process on loopback (docs/cpu.md, 'Run-time environment': by default Ray, vLLM
+"""Start or join Ray with every process on loopback (docs/guides/cpu.md, 'Run-time environment': by default Ray, vLLM
 and gloo bind the machine's external address)."""
 
 from __future__ import annotations

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-# Loss settings of each pipeline (docs/losses.md, "The paper's recipe in the presets"). The PPO clip does nothing
-# to KL-Cov's loss (unclipped by design, docs/losses.md "KL-Cov"), so kl_cov leaves it alone.
+# Loss settings of each pipeline (docs/algorithms/losses.md, "The paper's recipe in the presets"). The PPO clip does
+# nothing
+# to KL-Cov's loss (unclipped by design, docs/algorithms/losses.md "KL-Cov"), so kl_cov leaves it alone.
 PIPELINES: dict[str, dict[str, Any]] = {
     "grpo": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.2},
     "clip_higher": {"loss.type": "ppo", "loss.clip_low": 0.2, "loss.clip_high": 0.28},  # DAPO's clip-higher
     "clip_cov": {"loss.type": "clip_cov", "loss.clip_low": 1.0, "loss.clip_high": 1.0},
     "kl_cov": {"loss.type": "kl_cov"},
-    # The newer objectives, each at its own paper's defaults (docs/losses.md). The 80/20 method keeps PPO's clip.
+    # The newer objectives, each at its own paper's defaults (docs/algorithms/losses.md). The 80/20 method keeps PPO's
+    # clip.
     "high_entropy": {"loss.type": "high_entropy"},
     "cispo": {"loss.type": "cispo"},
     "gspo": {"loss.type": "gspo"},
 }
 
-# The paper's recipe (docs/losses.md; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
+# The paper's recipe (docs/algorithms/losses.md; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8
 # optimizer mini-batches of 32 prompts, lr 1e-6 constant, AdamW with no weight decay, grad clip 1, prompts up to 2048
 # and responses up to 8192 tokens at T=1 / top_p 1, no KL (no reference model) and no entropy bonus, DAPO dynamic
 # sampling with up to 10 generation rounds, token-mean loss, evaluation every 4 steps and a checkpoint every 32.
@@ -71,7 +73,7 @@ _DAPO_COMMON: dict[str, Any] = {
     "actor.gradient_checkpointing": True,
     "actor.micro_batch_size": 1,
     # one sequence per micro-batch leaves no prompt to share: keep the model's own attention (shared-prefix packing
-    # pays when a micro-batch holds several responses of a prompt; docs/cluster.md)
+    # pays when a micro-batch holds several responses of a prompt; docs/guides/cluster.md)
     "train.shared_prefix": "off",
     # 2048 responses per step to verify (the fork uses a 64-process pool); a quarter CPU each (Ray's accounting)
     # keeps the whole 7B run within the 16 logical CPUs of a local Ray (--ray.num_cpus)
@@ -91,7 +93,8 @@ _DAPO_COMMON: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Clip-Cov at small scale (docs/losses.md, "At small scale"): on the built-in task with SmolLM2 and micro-batches
+    # Clip-Cov at small scale (docs/algorithms/losses.md, "At small scale"): on the built-in task with SmolLM2 and
+    # micro-batches
     # of 4 x ~30 response tokens, the paper's 2e-4 of ~128 tokens is the one-token floor, and the paper's absolute
     # bounds stop holding any token once covariances shrink as the policy sharpens. Bounds counted in standard
     # deviations of the token covariances follow them down; from 0.5 std with a ratio of 0.1 Clip-Cov detaches 1-3 %

@@ -1,6 +1,6 @@
 """What a config reserves on a Ray cluster: `required_resources(cfg)` in all, `group_resources(cfg)` by actor group.
 
-`python -m entropy_openrlhf.resources [PRESET ...]` prints the table of docs/cluster.md from them.
+`python -m entropy_openrlhf.resources [PRESET ...]` prints the table of docs/guides/cluster.md from them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _num(x: float) -> str:
 
 
 def resource_table(names: list[str], pipeline: str = "kl_cov") -> str:
-    """A markdown table of what each named preset allocates (docs/cluster.md holds its output)."""
+    """A markdown table of what each named preset allocates (docs/guides/cluster.md holds its output)."""
     lines = [
         "| preset | vLLM engines x TP | GPUs per engine | rollout GPUs | trainer ranks x GPUs | trainer GPUs "
         "| reference | GPUs in all | CPUs in all |",

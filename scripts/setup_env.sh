@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv in the repo root and installs the CPU stack (docs/cpu.md, 'Installing', explains each step).
+# Creates .venv in the repo root and installs the CPU stack (docs/guides/cpu.md, 'Installing', explains each step).
 # Idempotent: a stamp holding the hash of the requirement files skips the work when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 """Where a model's token covariances sit against Clip-Cov's bounds, on its own rollouts: the numbers behind a
-Clip-Cov setting (docs/losses.md, "Clip-Cov at small scale").
+Clip-Cov setting (docs/algorithms/losses.md, "Clip-Cov at small scale").
 
     .venv/bin/python study/covariance_profile.py                     # SmolLM2-135M-Instruct, built-in task
     .venv/bin/python study/covariance_profile.py --prompts 64 --micro-batch 4 --json profile.json

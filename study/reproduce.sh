@@ -49,7 +49,7 @@ COMMON=(--train.seed 1 --train.num_steps 25 --rollout.batch_size 4 --train.mini_
 # The study's extra budget: pass@k over 16 samples per held-out prompt, midway and at the end, and checkpoints.
 # Three evaluations (versions 0, 13 and the final 25): 64 prompts x 16 samples take minutes on two cores.
 STUDY=(--eval.n_samples 16 --eval.every 13 --train.save_every 5 --train.keep_checkpoints 1)
-# The study's Clip-Cov arm is the first setting that gave it room at this size (docs/losses.md, "At small scale"):
+# The study's Clip-Cov arm is the first setting that gave it room at this size (docs/algorithms/losses.md, "At small scale"):
 # bounds in covariance std, ratio 0.05. clip_cov_wide is today's --preset clip-cov-small.
 declare -A STUDY_EXTRA=([clip_cov]="--loss.clip_cov.bounds_unit std --loss.clip_cov.ratio 0.05")
 
@@ -82,7 +82,7 @@ CTL_BAND=0.5,0.8
 # runaway); seven seeds against GRPO's, fixed in advance: entropy above GRPO's in every seed but train accuracy
 # significantly lower, entropy running away in four seeds (study/notebook.md, "Ratio 0.3").
 # kl_cov_band_b05: kl_cov_band with a bonus ceiling five times the default (--entropy.max_bonus 0.05): in the study's
-# seed 2 both knobs reached their bounds and entropy still fell below the band (docs/entropy_control.md).
+# seed 2 both knobs reached their bounds and entropy still fell below the band (docs/algorithms/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
 # minus GRPO mixes the penalty with the clip KL-Cov drops; kl_cov_clip minus GRPO is the penalty alone.
 declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov [grpo_band]=grpo

@@ -1,6 +1,6 @@
 import os
 
-# Loopback only, whatever the caller's environment (docs/cpu.md, 'Run-time environment').
+# Loopback only, whatever the caller's environment (docs/guides/cpu.md, 'Run-time environment').
 for key, value in {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",

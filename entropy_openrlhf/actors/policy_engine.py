@@ -145,7 +145,7 @@ def build_policy_engine(cfg: Config, model_path: str, world_size: int) -> Policy
         eps=cfg.actor.adam_eps,
         weight_decay=cfg.actor.weight_decay,
         # one kernel over all parameters: on CPU 0.18 s per step for SmolLM2 against 0.6 s for the default
-        # per-tensor loop (docs/benchmarks.md); the same update up to rounding
+        # per-tensor loop (docs/guides/benchmarks.md); the same update up to rounding
         fused=True,
     )
     a = cfg.actor

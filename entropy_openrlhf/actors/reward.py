@@ -9,7 +9,7 @@ Failure handling, from cheap to drastic:
 - a worker stuck where no signal reaches it (C code holding the GIL): past a generous budget the group kills it
   (Ray restarts it) and re-scores the batch one sample per task, so only the stuck sample times out.
 Every sample gets exactly one result in the output (a retried batch replaces its failed attempt), but the verifier
-may run on a sample more than once: a retry starts its batch again from the first sample (docs/verifiers.md).
+may run on a sample more than once: a retry starts its batch again from the first sample (docs/guides/verifiers.md).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class VerifierWorker:
 def verifier_items(samples: list[Sample]) -> list[tuple[str, str, str, dict[str, Any]]]:
     """What a verifier is called with for each sample: (response, label, prompt, metadata), the metadata being the
     dataset row's other fields plus the response's token count and the engine's finish reason ("stop" or "length":
-    cut at --rollout.max_new_tokens), so a verifier can judge length itself (docs/verifiers.md)."""
+    cut at --rollout.max_new_tokens), so a verifier can judge length itself (docs/guides/verifiers.md)."""
     return [
         (s.response, s.label, s.prompt,
          {**s.metadata, "response_tokens": len(s.response_token_ids), "finish_reason": s.finish_reason})

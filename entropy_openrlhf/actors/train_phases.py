@@ -196,7 +196,7 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     """Micro-batch i's off-policy weights (`--offpolicy.*`), and the metrics of the current weights' log-probs
     (`current`; by default the old pass's, s.old_lp[i]) and of s.entropies[i] against the rollout's and the
     reference's. The objective multiplies each token's loss by its weight (run_objective's `is_weights`); a rejected
-    token's weight is 0 and it stays in the mask, hence in the normaliser (docs/off_policy.md)."""
+    token's weight is 0 and it stays in the mask, hence in the normaliser (docs/algorithms/off_policy.md)."""
     b, r = s.batches[i], s.rollout_lp[i]
     lp = s.old_lp[i] if current is None else current
     op = s.off_policy

@@ -75,6 +75,6 @@ def check_weight_names(model_path: str) -> int:
             f"the policy would send weight {name!r}, which the rollout engine cannot load: the checkpoint in "
             f"{model_path} has no tensor of that name ({others} more such weight(s)); transformers builds this "
             "model with modules that fuse checkpoint tensors (MoE experts, for one), and the weight sync sends "
-            "the module's names. docs/cluster.md lists the model families tested"
+            "the module's names. docs/guides/cluster.md lists the model families tested"
         )
     return len(exported)

@@ -1,7 +1,8 @@
 """The paper's empirical law R = -a * exp(H) + b between policy entropy H and validation performance R.
 
 At H = 0 (entropy exhausted) the law predicts the ceiling R = b - a. Fitting on the first steps of a run and
-extrapolating along the entropy axis forecasts later accuracy (arXiv 2505.22617; docs/losses.md, 'The entropy law').
+extrapolating along the entropy axis forecasts later accuracy (arXiv 2505.22617; docs/algorithms/losses.md, 'The
+entropy law').
 """
 
 from __future__ import annotations

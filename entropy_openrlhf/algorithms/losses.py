@@ -1,6 +1,6 @@
 """Policy losses: PPO (with clip-higher and dual-clip), Clip-Cov, KL-Cov, high_entropy (80/20), CISPO and GSPO.
 
-Plain functions over (B, L) tensors, as docs/losses.md states them (Clip-Cov and KL-Cov: arXiv 2505.22617;
+Plain functions over (B, L) tensors, as docs/algorithms/losses.md states them (Clip-Cov and KL-Cov: arXiv 2505.22617;
 high_entropy: arXiv 2506.01939; CISPO: arXiv 2506.13585; GSPO: arXiv 2507.18071). Each returns a `LossOutput` with
 the scalar loss, the per-token loss matrix, the mask of the tokens the method selected and a metrics dict of floats.
 

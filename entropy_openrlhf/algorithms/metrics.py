@@ -1,4 +1,4 @@
-"""Entropy and covariance telemetry. Every metric these produce is defined in docs/metrics.md."""
+"""Entropy and covariance telemetry. Every metric these produce is defined in docs/guides/metrics.md."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]
 
 def covariance_stats(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Token covariances c = (A - mean A)(logp - mean logp) over the valid tokens, and the batch estimate of
-    Cov(log pi, A) (their mean), whose sign drives entropy: positive means entropy falls (docs/losses.md, 'Why the
+    Cov(log pi, A) (their mean), whose sign drives entropy: positive means entropy falls (docs/algorithms/losses.md,
+    'Why the
     covariance')."""
     valid = mask.bool()
     lp = log_probs.detach().float()[valid]

@@ -4,7 +4,8 @@ The engine's log-probs (`rollout`) and the trainer's (`old`) differ for two reas
 responses sampled by weights up to `async.max_staleness` versions behind, and vLLM's kernels and precision do not
 reproduce the trainer's numbers, a gap that accumulates over long responses. This module turns the two into a
 per-token factor on the loss: a truncated importance weight pi_old / pi_rollout (token or sequence level) and a
-rejection band that drops tokens or whole responses whose ratio is out of reach of any weight. docs/off_policy.md
+rejection band that drops tokens or whole responses whose ratio is out of reach of any weight.
+docs/algorithms/off_policy.md
 states the definitions, the presets and how they compare with verl, TRL and SkyRL.
 
 Plain functions over (B, L) tensors: fp32 math whatever the input dtype, inputs zeroed outside the mask first (NaN

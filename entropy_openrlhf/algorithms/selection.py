@@ -1,6 +1,7 @@
 """Selection scope `global`: one covariance selection over the whole optimizer mini-batch, across ranks.
 
-The reference code selects per micro-batch on each GPU (docs/losses.md, 'Selection scope'), so its choice depends on
+The reference code selects per micro-batch on each GPU (docs/algorithms/losses.md, 'Selection scope'), so its choice
+depends on
 micro-batch size and GPU count (verl#7818). The paper defines the covariance over the training batch. Here the
 valid tokens of every micro-batch of the mini-batch are flattened in order, gathered from all data-parallel ranks,
 the means and the selection are computed once over all of them, and each micro-batch gets its slice back as the

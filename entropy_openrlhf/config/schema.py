@@ -63,7 +63,8 @@ class Config:
     @property
     def off_policy(self) -> OffPolicyConfig:
         """The off-policy correction the trainer applies: --offpolicy.* when a preset or a field is set, else the
-        legacy --async.is_correction / --async.is_cap (docs/off_policy.md). ValueError for a setting that cannot
+        legacy --async.is_correction / --async.is_cap (docs/algorithms/off_policy.md). ValueError for a setting that
+        cannot
         work (validate() reports it as a ConfigError first)."""
         return self.offpolicy.resolve(self.use_is_correction, self.async_.is_cap)
 

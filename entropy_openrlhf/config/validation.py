@@ -108,9 +108,11 @@ def _validate_off_policy(cfg: Config, notes: list[str]) -> None:
             now = f"--offpolicy.preset token_tis --offpolicy.is_max {cfg.async_.is_cap:g}"
         else:
             now = "--offpolicy.preset none"
-        notes.append(f"{flags} is deprecated: it means {now} (docs/off_policy.md); use the --offpolicy.* flags")
+        notes.append(
+            f"{flags} is deprecated: it means {now} (docs/algorithms/off_policy.md); use the --offpolicy.* flags"
+        )
     else:
-        notes.append(f"{flags} is ignored: --offpolicy.* is set, and the new flags win (docs/off_policy.md)")
+        notes.append(f"{flags} is ignored: --offpolicy.* is set, and the new flags win (docs/algorithms/off_policy.md)")
 
 
 def _validate_gpu_sharing(cfg: Config, need) -> None:

@@ -1,4 +1,5 @@
-"""Our objectives in OpenRLHF's own trainer: `train_ppo_ray` unchanged, its `PolicyLoss` replaced (docs/openrlhf.md).
+"""Our objectives in OpenRLHF's own trainer: `train_ppo_ray` unchanged, its `PolicyLoss` replaced
+(docs/guides/openrlhf.md).
 
     python -m entropy_openrlhf.integrations.openrlhf --objective kl_cov --objective.ratio 2e-3 \\
         <any openrlhf.cli.train_ppo_ray flag>
@@ -71,7 +72,7 @@ def check_openrlhf() -> ModuleType:
     if version != SUPPORTED_OPENRLHF:
         raise OpenRLHFMismatch(
             f"OpenRLHF {version} is installed; the adapter was written for {SUPPORTED_OPENRLHF} "
-            f"(pip install openrlhf=={SUPPORTED_OPENRLHF}, or see docs/openrlhf.md on porting it)"
+            f"(pip install openrlhf=={SUPPORTED_OPENRLHF}, or see docs/guides/openrlhf.md on porting it)"
         )
     from entropy_openrlhf.compat import ensure_flash_attn_importable
 
@@ -396,7 +397,8 @@ def objectives_help() -> str:
         "usage: python -m entropy_openrlhf.integrations.openrlhf --objective NAME [--objective.FIELD VALUE ...] "
         "[train_ppo_ray flags]",
         "",
-        "Runs OpenRLHF's train_ppo_ray with its PolicyLoss replaced by one of our objectives (docs/openrlhf.md).",
+        "Runs OpenRLHF's train_ppo_ray with its PolicyLoss replaced by one of our objectives "
+        "(docs/guides/openrlhf.md).",
         "",
         "objectives and their --objective.FIELD settings:",
     ]

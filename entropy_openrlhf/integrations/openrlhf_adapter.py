@@ -32,7 +32,8 @@ from torch import nn
 from entropy_openrlhf.algorithms.objectives import LossContext, objective_needs_entropy, run_objective
 from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig, OffPolicyResult, correct
 
-# The objective's metric names, as our own trainer logs them (docs/metrics.md): `loss/<name>`, and `cov/<stat>` for
+# The objective's metric names, as our own trainer logs them (docs/guides/metrics.md): `loss/<name>`, and `cov/<stat>`
+# for
 # the covariance statistics; selection metrics already carry their `select/` prefix.
 _COV_PREFIX = "cov_"
 
@@ -51,7 +52,8 @@ def off_policy_from_openrlhf(
 ) -> OffPolicyConfig | None:
     """OpenRLHF's train/rollout correction flags as this project's `OffPolicyConfig` (None: level off).
 
-    With the ratio gate OpenRLHF's three settings are ours exactly (docs/off_policy.md, "The OpenRLHF route"):
+    With the ratio gate OpenRLHF's three settings are ours exactly (docs/algorithms/off_policy.md, "The OpenRLHF
+    route"):
     - token clip: the ratio clamped into [low, high], nothing dropped: `is_level token, is_min low, is_max high`;
     - token mask: tokens whose ratio leaves [low, high] get 0, the others their full ratio: `is_level token,
       is_max inf, reject token, reject_min low, reject_max high`;

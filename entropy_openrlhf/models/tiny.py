@@ -2,7 +2,7 @@
 
 Tests and `--preset smoke` use them: the whole pipeline (vLLM, DeepSpeed, weight sync) runs on a few-MB model.
 hidden size 64 with one 64-wide head, because the vLLM CPU attention kernel rejects head_dim < 64; fp32, because
-bf16 two-layer models crash the AMX attention kernel on short prompts (docs/cpu.md, 'bf16 and AMX').
+bf16 two-layer models crash the AMX attention kernel on short prompts (docs/guides/cpu.md, 'bf16 and AMX').
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class WeightSyncSettings:
     method: str = option(
         "auto",
         "{choices}. auto = collective: a broadcast over NCCL when the policy and the engines have GPUs, gloo "
-        "otherwise (4.6x faster than the object store for SmolLM2 on CPU, docs/benchmarks.md)",
+        "otherwise (4.6x faster than the object store for SmolLM2 on CPU, docs/guides/benchmarks.md)",
         choices=("auto", *SYNC_METHODS),
     )
     max_chunk_mb: float = option(
@@ -48,7 +48,8 @@ def resolve_method(method: str) -> str:
     """`--sync.method`: auto = collective, over NCCL when the policy and the engines run on CUDA, over gloo
     otherwise (the backend is chosen from what each member sees, group.choose_backend).
 
-    CPU too, by measurement (benchmarks/weight_sync.py, docs/benchmarks.md): on the 2-core CI machine a SmolLM2-135M
+    CPU too, by measurement (benchmarks/weight_sync.py, docs/guides/benchmarks.md): on the 2-core CI machine a
+    SmolLM2-135M
     sync took 1.04 s by gloo broadcast against 4.78 s by the object store (4.6x, side by side in one run), and the
     broadcast keeps no model-sized copy in Ray's object store (1 GB on CPU). The object store used to be the CPU
     default only because a restarted engine could not rejoin the broadcast group; it now can (the group re-exports

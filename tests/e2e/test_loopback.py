@@ -1,5 +1,5 @@
 """A local run, started the ways a user starts one, must not listen beyond loopback: its Ray runs with
-authentication off (docs/cpu.md). Each test polls the listening sockets of every process the run started while
+authentication off (docs/guides/cpu.md). Each test polls the listening sockets of every process the run started while
 it runs, from the outside, with psutil."""
 
 import os

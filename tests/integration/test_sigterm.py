@@ -1,5 +1,5 @@
 """SIGTERM to the driver of a local run, done for real: what `ray job stop`, SLURM and Kubernetes send before their
-SIGKILL (docs/reliability.md).
+SIGKILL (docs/guides/reliability.md).
 
 The smoke run is stopped while it saves its step-2 checkpoint (the moment `.tmp-step2` appears), the worst moment
 for its checkpoints. The driver must end within STOP_BOUND_S with exit code 143, shut every actor and Ray process it

@@ -36,7 +36,8 @@ PYTHON = str(ROOT / ".venv" / "bin" / "python")
 VERIFIER = str(ROOT / "tests" / "integration" / "verifiers.py") + ":digit_share"
 GAP_BOUND = 1e-3  # trainer vs engine log-probs after a sync, as in tests/integration/test_pipeline.py
 RUN_TIMEOUT_S = 600
-# From the loss of a node to the driver's exit (docs/reliability.md): Ray's verdict (about 15 s here, where the dead
+# From the loss of a node to the driver's exit (docs/guides/reliability.md): Ray's verdict (about 15 s here, where the
+# dead
 # node's address refuses connections; up to 65 s for a node that answers nothing) plus the shut-down of the groups.
 NODE_LOST_BOUND_S = 120
 NUM_CPUS = 3

@@ -1,4 +1,5 @@
-"""Loss tests against an independent scalar implementation (plain Python floats, written from docs/losses.md)."""
+"""Loss tests against an independent scalar implementation (plain Python floats, written from
+docs/algorithms/losses.md)."""
 
 import math
 

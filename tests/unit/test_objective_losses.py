@@ -1,5 +1,5 @@
 """high_entropy (80/20), CISPO, GSPO and the `candidates=` restriction of the covariance selections, checked against
-an independent scalar implementation (plain Python floats and loops, written from docs/losses.md)."""
+an independent scalar implementation (plain Python floats and loops, written from docs/algorithms/losses.md)."""
 
 import inspect
 import math

@@ -99,11 +99,11 @@ def test_within_restricts_the_covariance_choice_to_the_high_entropy_tokens_and_l
 
 
 def test_a_new_objective_is_one_file_as_the_readme_shows(tmp_path):
-    """docs/extending.md's example, dropped into a copy of the package's objectives folder, becomes --loss.type
+    """docs/guides/extending.md's example, dropped into a copy of the package's objectives folder, becomes --loss.type
     reinforce with its --loss.reinforce.scale flag, and the registry runs it."""
-    readme = (ROOT / "docs" / "extending.md").read_text()
+    readme = (ROOT / "docs" / "guides" / "extending.md").read_text()
     code = re.search(r"```python\n(# entropy_openrlhf/algorithms/objectives/reinforce\.py\n.*?)```", readme, re.S)
-    assert code, "docs/extending.md's 'Add an objective' example is missing"
+    assert code, "docs/guides/extending.md's 'Add an objective' example is missing"
     package = tmp_path / "entropy_openrlhf"
     shutil.copytree(ROOT / "entropy_openrlhf", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "algorithms" / "objectives" / "reinforce.py").write_text(code.group(1))

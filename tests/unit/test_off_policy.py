@@ -1,5 +1,5 @@
 """entropy_openrlhf.algorithms.off_policy against a second implementation: a per-row loop over plain Python floats
-(fp64) that follows docs/off_policy.md's definitions, on random batches with padding, holes, empty responses,
+(fp64) that follows docs/algorithms/off_policy.md's definitions, on random batches with padding, holes, empty responses,
 out-of-range log ratios and garbage (NaN/Inf) on padding."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from entropy_openrlhf.algorithms.off_policy import (
     preset,
 )
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "off_policy.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms" / "off_policy.md"
 SEEDS = (0, 1, 2)
 METRIC_KEYS = (
     "kl_k1",

@@ -1,4 +1,4 @@
-"""The off-policy correction (algorithms/off_policy.py) wired into both training routes (docs/off_policy.md):
+"""The off-policy correction (algorithms/off_policy.py) wired into both training routes (docs/algorithms/off_policy.md):
 
 - the `--offpolicy.*` flags: presets, overrides, the legacy `--async.is_correction / is_cap` mapping, errors that name
   the flag, the KL-Cov note under bypass;
@@ -379,7 +379,8 @@ def openrlhf_weights(old, rollout, mask, level, mode, low, high):
     return torch.where((stat >= low) & (stat <= high), ratio, 0.0)
 
 
-# OpenRLHF's flags, and the same correction written in our trainer's flags by hand (docs/off_policy.md's table)
+# OpenRLHF's flags, and the same correction written in our trainer's flags by hand (docs/algorithms/off_policy.md's
+# table)
 ROUTE_CASES = [
     (("token", "mask", 0.8, 1.25), ["--offpolicy.is_level", "token", "--offpolicy.is_max", "inf",
                                      "--offpolicy.reject", "token", "--offpolicy.reject_min", "0.8",

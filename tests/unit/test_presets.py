@@ -1,4 +1,5 @@
-"""Presets: every one validates; the DAPO ones carry the paper's recipe (docs/losses.md, "The paper's recipe in the
+"""Presets: every one validates; the DAPO ones carry the paper's recipe (docs/algorithms/losses.md, "The paper's recipe
+in the
 presets") and fit their GPUs; GPU specs that cannot work are rejected before any actor starts; the smoke preset stays
 CI-sized."""
 
@@ -12,7 +13,7 @@ from entropy_openrlhf.config import Config, ConfigError, from_args, set_by_path,
 from entropy_openrlhf.presets import PIPELINES, PRESETS
 from entropy_openrlhf.resources import group_resources, required_resources, resource_table
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "cluster.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "guides" / "cluster.md"
 DAPO = ("qwen2.5-7b-dapo", "qwen2.5-32b-dapo")
 
 
@@ -29,7 +30,8 @@ def test_every_preset_validates_on_every_pipeline_without_warnings(name, pipelin
         assert validate(preset(name, pipeline)) == []
 
 
-# docs/losses.md, "The paper's recipe in the presets" (and "Clip-Cov" / "KL-Cov" for the loss constants), numbers
+# docs/algorithms/losses.md, "The paper's recipe in the presets" (and "Clip-Cov" / "KL-Cov" for the loss constants),
+# numbers
 # written out here on purpose.
 PAPER_RECIPE = {
     "rollout.n_samples_per_prompt": 8,  # GRPO n = 8
@@ -142,10 +144,10 @@ def test_the_resource_arithmetic_is_plain():
 
 
 def test_docs_table_is_what_the_code_computes():
-    """docs/cluster.md shows `python -m entropy_openrlhf.resources` output; a preset change must update it."""
+    """docs/guides/cluster.md shows `python -m entropy_openrlhf.resources` output; a preset change must update it."""
     text = DOCS.read_text()
     for row in resource_table(list(DAPO)).splitlines():
-        assert row in text, f"docs/cluster.md is missing or has a stale row:\n{row}"
+        assert row in text, f"docs/guides/cluster.md is missing or has a stale row:\n{row}"
 
 
 def test_docs_commands_use_flags_that_exist():
@@ -153,7 +155,7 @@ def test_docs_commands_use_flags_that_exist():
     known = set(Config().flatten()) | {"preset", "pretrain"}
     used = set(re.findall(r"pipelines/\w+\.py[^`]*", text, flags=re.S))
     flags = {f for block in used for f in re.findall(r"--([a-z_]+(?:\.[a-z_]+)+|preset|pretrain)\b", block)}
-    assert flags, "no pipeline commands found in docs/cluster.md"
+    assert flags, "no pipeline commands found in docs/guides/cluster.md"
     assert flags <= known, sorted(flags - known)
     for name in re.findall(r"--preset ([\w.-]+)", text):
         assert name in PRESETS

@@ -94,7 +94,8 @@ def test_the_documented_clip_cov_arms_have_their_documented_settings(tmp_path):
     commands = dry_run(tmp_path, arms, "--seeds", "1-1")
     losses = {arm: accepted(commands[f"{arm}_seed1"]).loss for arm in arms}
     settings = {arm: (loss.clip_cov.ratio, loss.clip_cov.lb, loss.clip_cov.bounds_unit) for arm, loss in losses.items()}
-    # the first small-scale setting, the preset, and the preset with 30% and with every candidate (docs/losses.md)
+    # the first small-scale setting, the preset, and the preset with 30% and with every candidate
+    # (docs/algorithms/losses.md)
     assert settings == {
         "clip_cov": (0.05, 1.0, "std"),
         "clip_cov_wide": (0.1, 0.5, "std"),

@@ -175,10 +175,11 @@ def test_registering_a_name_twice_is_refused():
 
 
 def test_the_documented_rollout_function_runs_as_the_flag_names_it(tmp_path, monkeypatch):
-    """docs/extending.md's example, saved as my_rollouts.py, is what --rollout.function my_rollouts:once loads."""
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    """docs/guides/extending.md's example, saved as my_rollouts.py, is what --rollout.function my_rollouts:once
+    loads."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "extending.md").read_text()
     code = re.search(r"```python\n(# my_rollouts\.py.*?)```", docs, re.S)
-    assert code, "docs/extending.md's rollout function example is missing"
+    assert code, "docs/guides/extending.md's rollout function example is missing"
     (tmp_path / "my_rollouts.py").write_text(code.group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
     validate(from_args(["--rollout.function", "my_rollouts:once"]))

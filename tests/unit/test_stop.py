@@ -1,4 +1,4 @@
-"""How a run stops when it cannot go on: a lost node, or SIGTERM to the driver (docs/reliability.md).
+"""How a run stops when it cannot go on: a lost node, or SIGTERM to the driver (docs/guides/reliability.md).
 
 The pieces that need no cluster: which nodes count as lost and what the message says they held, the resume command
 the driver prints, and the removal of a save that the stop cut short. The runs themselves are stopped for real in

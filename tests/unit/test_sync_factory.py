@@ -117,12 +117,12 @@ def test_a_restarted_engine_without_a_copy_or_a_policy_is_a_clear_error():
 
 
 def test_a_new_sync_method_is_one_file_as_the_readme_shows(tmp_path):
-    """docs/extending.md's example, dropped into a copy of the package's sync folder, becomes --sync.method
+    """docs/guides/extending.md's example, dropped into a copy of the package's sync folder, becomes --sync.method
     eager_object_store; the factory builds it from the run's flags and it loads at publish time."""
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "docs" / "extending.md").read_text()
+    readme = (root / "docs" / "guides" / "extending.md").read_text()
     code = re.search(r"```python\n(# entropy_openrlhf/sync/eager_object_store\.py\n.*?)```", readme, re.S)
-    assert code, "docs/extending.md's 'Add a weight sync method' example is missing"
+    assert code, "docs/guides/extending.md's 'Add a weight sync method' example is missing"
     package = tmp_path / "entropy_openrlhf"
     shutil.copytree(root / "entropy_openrlhf", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "sync" / "eager_object_store.py").write_text(code.group(1))

@@ -1,5 +1,6 @@
 """The start-up check that every weight the policy exports is one the rollout engine can load (weight_names.py), on
-tiny random models of each family saved by transformers as a user's checkpoint would be. docs/cluster.md lists these
+tiny random models of each family saved by transformers as a user's checkpoint would be. docs/guides/cluster.md lists
+these
 families; a family added there is added here."""
 
 import os
@@ -90,7 +91,7 @@ def test_families_with_fused_expert_modules_are_refused_in_one_line_naming_the_f
         check_weight_names(folder)
     msg = str(e.value)
     assert msg.startswith(f"the policy would send weight {first!r}, which the rollout engine cannot load")
-    assert folder in msg and "docs/cluster.md" in msg and "\n" not in msg
+    assert folder in msg and "docs/guides/cluster.md" in msg and "\n" not in msg
 
 
 def test_the_export_s_names_are_the_policy_model_s_named_parameters(tmp_path):

@@ -35,7 +35,8 @@ def cispo_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """CISPO: -sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp on every valid token (docs/losses.md, 'CISPO').
+    """CISPO: -sg(clip(rho, 1 - clip_low, 1 + clip_high)) * A * logp on every valid token (docs/algorithms/losses.md,
+    'CISPO').
 
     The clipped ratio is a constant weight, so the clip bounds a token's gradient instead of removing it. The loss
     value holds logp itself: it is not 0 on-policy and not comparable with PPO's. clip_low >= 1 leaves the weight

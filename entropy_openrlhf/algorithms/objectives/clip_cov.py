@@ -33,7 +33,7 @@ def covariance_bounds(cov: torch.Tensor, valid: torch.Tensor, lb: float, ub: flo
     """The candidates' open interval (lo, hi) of token covariance. "abs": (lb, ub) as given, the paper's numbers,
     set on 7B runs. "std": lb and ub in units of the standard deviation of the covariances of the valid tokens here
     (the micro-batch, or the pooled mini-batch under --loss.scope global), so that the band follows covariances
-    that shrink as a small model trains (docs/losses.md, 'At small scale')."""
+    that shrink as a small model trains (docs/algorithms/losses.md, 'At small scale')."""
     if unit == "abs":
         return lb, ub
     if unit != "std":
@@ -106,7 +106,7 @@ def clip_cov_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO with the gradient of a few random high-covariance tokens stopped (docs/losses.md, 'Clip-Cov').
+    """PPO with the gradient of a few random high-covariance tokens stopped (docs/algorithms/losses.md, 'Clip-Cov').
 
     `selected`: a precomputed selection (global scope); otherwise it is drawn here over this micro-batch.
     """
@@ -209,7 +209,9 @@ def run_note(params: ClipCovConfig, metrics: dict[str, float]) -> str:
             f"and bounds from {small['loss.clip_cov.lb']:g} covariance std, which "
             "follow covariances that shrink as training goes on)"
         )
-    return text + " or train larger micro-batches (--actor.micro_batch_size); docs/losses.md, 'At small scale'."
+    return text + (
+        " or train larger micro-batches (--actor.micro_batch_size); docs/algorithms/losses.md, 'At small scale'."
+    )
 
 
 @register_objective(

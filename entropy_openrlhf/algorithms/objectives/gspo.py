@@ -34,7 +34,8 @@ def gspo_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """GSPO: PPO's clipped surrogate with one ratio per sequence, s_i = exp(mean_t d_t) (docs/losses.md, 'GSPO').
+    """GSPO: PPO's clipped surrogate with one ratio per sequence, s_i = exp(mean_t d_t) (docs/algorithms/losses.md,
+    'GSPO').
 
     d_t is clamped per token before the mean. In token form each token carries sg(s_i) * exp(lp_t - sg(lp_t)):
     value s_i, gradient s_i through the raw lp_t. Always seq-mean-token-mean; `normalizer` = the non-empty

@@ -73,7 +73,8 @@ def high_entropy_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO's clipped surrogate on the high-entropy tokens S only, averaged over S (docs/losses.md, 'high_entropy').
+    """PPO's clipped surrogate on the high-entropy tokens S only, averaged over S (docs/algorithms/losses.md,
+    'high_entropy').
 
     loss = sum over S of max(-A*rho, -A*clip(rho)) / max(|S|, 1): the denominator counts the selected tokens, not
     all valid tokens. `selected`: a selection made over a wider scope (then `entropy` may be None);

@@ -76,7 +76,8 @@ def kl_cov_loss(
     dp_size: int = 1,
     is_weights: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Unclipped policy gradient plus coef*|logp - old_logp| on the top-covariance tokens (docs/losses.md, 'KL-Cov').
+    """Unclipped policy gradient plus coef*|logp - old_logp| on the top-covariance tokens (docs/algorithms/losses.md,
+    'KL-Cov').
 
     On a purely on-policy update (logp == old_logp) the penalty and its gradient are zero: KL-Cov acts from the
     second optimizer step of a rollout batch on.
@@ -168,7 +169,7 @@ def run_note(params: KLCovConfig, metrics: dict[str, float]) -> str:
         f"{metrics.get('loss/kl_cov_frac', 0.0):.2%} of tokens, more than the {params.ratio:.2%} the ratio asks for "
         f"(cov p99 {metrics.get('cov/p99', 0.0):.3g}). The ratio sets the selection from about "
         f"{1 / params.ratio:.0f} tokens per selection: larger micro-batches (--actor.micro_batch_size) or one "
-        "selection over the mini-batch (--loss.scope global); docs/losses.md, 'At small scale'."
+        "selection over the mini-batch (--loss.scope global); docs/algorithms/losses.md, 'At small scale'."
     )
 
 

@@ -21,7 +21,7 @@ from entropy_openrlhf.options import option as _f  # short: every field below us
 class LossOptions(Section):
     """The settings every objective shares; each objective adds its own as --loss.<name>.<field>."""
 
-    type: str = _f("kl_cov", "the policy objective: {choices} (docs/losses.md)", choices=tuple(OBJECTIVES))
+    type: str = _f("kl_cov", "the policy objective: {choices} (docs/algorithms/losses.md)", choices=tuple(OBJECTIVES))
     clip_low: float = _f(
         0.2, "PPO clip epsilon below 1 for the objectives with PPO's clip: ppo, clip_cov, high_entropy"
     )
@@ -29,7 +29,8 @@ class LossOptions(Section):
     dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo (0 = off)")
     agg: str = _f(
         "token_mean",
-        "{choices}, normalised over the whole optimizer step (docs/losses.md: verl's loss_agg_mode, TRL's loss_type)",
+        "{choices}, normalised over the whole optimizer step (docs/algorithms/losses.md: verl's loss_agg_mode, TRL's "
+        "loss_type)",
         choices=AGG_MODES,
     )
     agg_norm_len: int = _f(0, "seq_mean_token_sum_norm's constant length (Dr.GRPO); 0 = --rollout.max_new_tokens")

@@ -1,7 +1,7 @@
 """The `--offpolicy.*` flags: the correction between the policy that sampled a response (vLLM's log-probs) and the
 trainer's pi_old, and bypass mode. The fields are those of `algorithms.off_policy.OffPolicyConfig`, whose
 `__post_init__` holds the rules; this section adds `--offpolicy.preset` and the legacy `--async.is_correction` /
-`--async.is_cap` mapping (docs/off_policy.md, "Flags").
+`--async.is_cap` mapping (docs/algorithms/off_policy.md, "Flags").
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class OffPolicySection(Section):
     bypass: bool = _f(
         _DEFAULTS.bypass,
         "pi_old is the rollout's log-probs: no old-log-prob forward, PPO's ratio is pi_theta / pi_rollout "
-        "(combinations refused: docs/off_policy.md)",
+        "(combinations refused: docs/algorithms/off_policy.md)",
     )
 
     def explicit(self) -> dict[str, object]:

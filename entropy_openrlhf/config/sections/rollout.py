@@ -21,7 +21,7 @@ class RolloutConfig(Section):
     temperature: float = _f(
         1.0,
         "sampling temperature (the paper: 1.0); the trainer's log-probs, entropies and the reference's are those of "
-        "the same logits / T, and vLLM returns the sampled distribution's log-probs (docs/off_policy.md)",
+        "the same logits / T, and vLLM returns the sampled distribution's log-probs (docs/algorithms/off_policy.md)",
     )
     top_p: float = _f(
         1.0, "nucleus sampling; only 1 trains: the trainer's log-probs do not truncate the distribution as top_p does"
