@@ -53,6 +53,11 @@ _DAPO_COMMON: dict[str, Any] = {
     "algo.dynamic_sampling": True,
     "algo.max_gen_batches": 10,
     "loss.agg": "token_mean",
+    # Overlong responses as the recipe's scripts have them: DAPO's overlong buffer off (the dapo reward manager with
+    # overlong_buffer.enable=False, so no length penalty) and responses cut at the limit kept in the loss (verl has no
+    # such mask there). Stated so that a change of the flags' defaults cannot change the recipe
+    "reward.overlong_buffer_len": 0,
+    "loss.mask_truncated": False,
     # Covariance selection over each optimizer mini-batch on all ranks (the paper's definition). With one sequence
     # per micro-batch (below), selecting per micro-batch would take max(1, floor(ratio x N)) of one response's N
     # tokens: at 2e-4, one token of every response shorter than 10000, several times the paper's ratio.

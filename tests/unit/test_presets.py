@@ -30,9 +30,8 @@ def test_every_preset_validates_on_every_pipeline_without_warnings(name, pipelin
         assert validate(preset(name, pipeline)) == []
 
 
-# docs/algorithms/losses.md, "The paper's recipe in the presets" (and "Clip-Cov" / "KL-Cov" for the loss constants),
-# numbers
-# written out here on purpose.
+# docs/algorithms/losses.md, "The paper's recipe in the presets" (and "Clip-Cov" / "KL-Cov" for the loss
+# constants), numbers written out here on purpose.
 PAPER_RECIPE = {
     "rollout.n_samples_per_prompt": 8,  # GRPO n = 8
     "rollout.batch_size": 256,  # train_batch_size = 256 prompts
@@ -53,6 +52,8 @@ PAPER_RECIPE = {
     "algo.dynamic_sampling": True,  # DAPO filter_groups, max_num_gen_batches = 10
     "algo.max_gen_batches": 10,
     "loss.agg": "token_mean",
+    "reward.overlong_buffer_len": 0,  # overlong_buffer.enable = False: no length penalty
+    "loss.mask_truncated": False,  # truncated responses stay in the loss
     "loss.dual_clip": 0.0,  # clip_ratio_c is ignored by these losses
     "loss.kl_cov.coef": 1.0,  # beta = 1 (verl's yaml default of 0.1 is not the paper's)
     "loss.clip_cov.ratio": 2e-4,
@@ -74,6 +75,7 @@ def test_dapo_presets_carry_the_paper_recipe(name):
     assert flat["loss.kl_cov.ratio"] == KL_COV_RATIO[name]
     # the schedule is the preset's own, not the flags' defaults
     assert PRESETS[name]["actor.lr_scheduler"] == "constant" and PRESETS[name]["actor.lr_warmup_steps"] == 0
+    assert PRESETS[name]["reward.overlong_buffer_len"] == 0 and PRESETS[name]["loss.mask_truncated"] is False
     # no entropy bonus (the paper has none) and the entropy controller (not in the paper either) is off
     assert flat["loss.entropy_coef"] == 0.0
     assert flat["entropy.target"] == ""
