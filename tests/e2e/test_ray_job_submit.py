@@ -93,12 +93,13 @@ def test_a_run_that_needs_missing_gpus_fails_in_one_line(head, tmp_path):
     # A placement wait longer than the submit's own limit: a job that got past the fit check to wait for its GPUs
     # would be cut by the submit's timeout (and fail this test) rather than fail in the expected line.
     args = ["--preset", "smoke", "--train.output_dir", str(tmp_path / "run"),
-            "--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "1",
+            "--rollout.num_gpus_per_engine", "1", "--actor.num_gpus_per_worker", "1", "--ref.enabled", "true",
             "--ray.placement_timeout_s", "3600"]  # fmt: skip
     code, log = submit(head, {"excludes": EXCLUDES}, args, timeout=300)
     assert code != 0 and re.search(r"Job '\S+' failed", log), log[-4000:]
     errors = {line for line in log.splitlines() if line.startswith("error: ")}  # Ray repeats the job's last lines
-    # the reference follows the policy onto a GPU (--ref.num_gpus -1, auto): three GPUs in all
+    # the reference (on: by default only a KL term starts it) follows the policy onto a GPU (--ref.num_gpus -1,
+    # auto): three GPUs in all
     assert errors == {
         "error: the run does not fit the Ray cluster: needs 3 GPUs, the cluster has 0 free: rollout 1 "
         "(--rollout.num_engines x --rollout.num_gpus_per_engine), policy 1 (--actor.num_workers x "
