@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from loss_overhead import fixed_batch as loss_overhead_batch  # the scripts' folder is on sys.path
 from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 # torch, Ray, transformers and the package are imported inside the functions that use them: `--help` stays fast.
@@ -53,23 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def fixed_batch(args, vocab: int, seed: int = 0):
-    """GRPO-shaped samples (groups of 4 share a prompt, normalised advantages), rollout log-probs near -8 as a
-    random model's would be, half of them one version stale."""
-    from entropy_openrlhf.actors.policy import TrainSample
-
-    rng = random.Random(seed)
-    out = []
-    for g in range(0, args.samples, 4):
-        prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-        rewards = [float(rng.random() < 0.5) for _ in range(4)]
-        mean = sum(rewards) / 4
-        std = (sum((r - mean) ** 2 for r in rewards) / 3) ** 0.5 or 1.0
-        for r in rewards[: args.samples - g]:
-            n = rng.randint(args.response_len * 3 // 4, args.response_len)
-            response = [rng.randrange(3, vocab) for _ in range(n)]
-            rollout = [-8.0 + rng.gauss(0, 0.05) for _ in range(n)]
-            out.append(TrainSample(prompt, response, (r - mean) / std, rollout, staleness=len(out) % 2))
-    return out
+    """loss_overhead.py's GRPO-shaped samples (the same draws, rollout log-probs near -8 as a random model's would
+    be), half of them one version stale."""
+    samples = loss_overhead_batch(args, vocab, seed)
+    for i, s in enumerate(samples):
+        s.staleness = i % 2
+    return samples
 
 
 def set_offpolicy(actor_self, section) -> None:
