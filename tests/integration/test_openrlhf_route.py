@@ -507,7 +507,7 @@ def test_same_under_ray_job_submit(tmp_path):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["route"]:  # the command line, with this module standing in for train_ppo_ray
-        from entropy_openrlhf.integrations.openrlhf import main
+        from entropy_openrlhf.integrations.openrlhf_cli import main
 
         sys.exit(main(sys.argv[2:], train_module="tests.integration.test_openrlhf_route"))
     stand_in_train_ppo_ray(sys.argv[1:])  # run by main() in train_ppo_ray's place

@@ -17,6 +17,7 @@ import torch
 from entropy_openrlhf.algorithms.losses import clip_cov_loss, high_entropy_loss, kl_cov_loss
 from entropy_openrlhf.compat import ensure_flash_attn_importable
 from entropy_openrlhf.integrations import openrlhf as route
+from entropy_openrlhf.integrations import openrlhf_cli as cli
 
 ensure_flash_attn_importable()  # openrlhf.models imports flash-attn, which CPU machines lack
 
@@ -329,7 +330,7 @@ def test_split_argv_keeps_openrlhfs_flags_in_order_and_types_ours():
     argv = ["--actor.model_name_or_path", "m", "--objective", "kl_cov", "--objective.ratio", "2e-3",
             "--actor.eps_clip_low_high", "0.2", "0.28", "--objective.within=high_entropy",
             "--objective.high_entropy.top_frac", "0.1", "--ds.packing_samples"]  # fmt: skip
-    ours, rest = route.split_argv(argv)
+    ours, rest = cli.split_argv(argv)
     assert ours.name == "kl_cov" and ours.params == {"ratio": 2e-3, "within": "high_entropy"}
     assert ours.objectives == {"high_entropy": {"top_frac": 0.1}} and not ours.help
     assert rest == ["--actor.model_name_or_path", "m", "--actor.eps_clip_low_high", "0.2", "0.28",
@@ -349,24 +350,24 @@ def test_split_argv_keeps_openrlhfs_flags_in_order_and_types_ours():
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_line_and_start_nothing(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(route.runpy, "run_module", lambda *a, **k: pytest.fail("train_ppo_ray must not start"))
-    assert route.main(argv) == 2
+    monkeypatch.setattr(cli.runpy, "run_module", lambda *a, **k: pytest.fail("train_ppo_ray must not start"))
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err, err
 
 
 def test_cli_notes_a_kl_cov_run_with_one_optimizer_step(capsys, monkeypatch):
     ran = []
-    monkeypatch.setattr(route.runpy, "run_module", lambda module, **k: ran.append(module))
+    monkeypatch.setattr(cli.runpy, "run_module", lambda module, **k: ran.append(module))
     argv = ["--objective", "kl_cov", "--rollout.batch_size", "8", "--train.batch_size", "8"]
-    assert route.main(argv) == 0 and ran == ["openrlhf.cli.train_ppo_ray"]
+    assert cli.main(argv) == 0 and ran == ["openrlhf.cli.train_ppo_ray"]
     assert "KL-Cov with one optimizer step per rollout batch" in capsys.readouterr().err
 
 
 def test_cli_help_lists_the_objectives_then_openrlhfs_flags(capsys, monkeypatch):
     ran = []
-    monkeypatch.setattr(route.runpy, "run_module", lambda module, **k: ran.append((module, list(sys.argv))))
-    assert route.main(["--help"]) == 0
+    monkeypatch.setattr(cli.runpy, "run_module", lambda module, **k: ran.append((module, list(sys.argv))))
+    assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "kl_cov:" in out and "--objective.ratio" in out and "--loss." not in out
     assert ran == [("openrlhf.cli.train_ppo_ray", ["openrlhf.cli.train_ppo_ray", "--help"])]
