@@ -72,7 +72,8 @@ _DAPO_COMMON: dict[str, Any] = {
     # systems: bf16, ZeRO-3 with gradient checkpointing (the recipe: FSDP with checkpointing). One sequence per
     # micro-batch: a full-length one is 10240 tokens, and the trainer materialises its (tokens x 152k vocab)
     # logits in fp32, about 6 GB, plus their gradient; the recipe's token budget (30720 for 7B, 20480 for 32B per
-    # GPU) relies on fused kernels this trainer does not have. Raise it when responses stay short.
+    # GPU) relies on fused kernels this trainer does not have. Raise it, or form micro-batches by tokens
+    # (--train.max_tokens_per_micro_batch), when responses stay short.
     "model.dtype": "bf16",
     "actor.zero_stage": 3,
     "actor.gradient_checkpointing": True,

@@ -9,6 +9,7 @@ metrics (`train_step`); every other call is the group's generic one, on all rank
 from __future__ import annotations
 
 from entropy_openrlhf.actors.group import ActorGroup
+from entropy_openrlhf.actors.micro_batches import layout_for
 from entropy_openrlhf.actors.policy_actor import PolicyActor
 from entropy_openrlhf.actors.step_data import TrainSample, merge_ranks
 from entropy_openrlhf.config import Config
@@ -46,13 +47,17 @@ class PolicyGroup(ActorGroup):
     ) -> dict[str, float]:
         """One RL step on all ranks; `strength_scale` and `entropy_coef` are the entropy controller's
         (PolicyActor.train_step)."""
-        # Mini-batch m is the same samples whatever the number of ranks: each rank takes its slice of every one.
-        n, n_mini = len(self.actors), self.cfg.train.mini_batches
-        per_mini = len(samples) // n_mini
-        per_rank = per_mini // n
-        shards = [
-            [s for m in range(n_mini) for s in samples[m * per_mini + r * per_rank : m * per_mini + (r + 1) * per_rank]]
-            for r in range(n)
+        # Mini-batch m is the same samples whatever the number of ranks or the split: each rank takes its share of
+        # every one, cut into micro-batches by sequences or by a token budget (micro_batches.py)
+        cfg = self.cfg
+        layout = layout_for(
+            [len(s.prompt_ids) + len(s.response_ids) for s in samples], [tuple(s.prompt_ids) for s in samples],
+            cfg.train.mini_batches, len(self.actors), cfg.actor.micro_batch_size,
+            cfg.train.max_tokens_per_micro_batch, keep_groups=cfg.train.shared_prefix != "off",
+        )  # fmt: skip
+        calls = [
+            ([samples[i] for i in layout.order(r)], step, strength_scale, entropy_coef, layout.sizes(r))
+            for r in range(len(self.actors))
         ]
         # no deadline: a step's length grows with the model and the batch, and nothing bounds it
-        return merge_ranks(self.call_each("train_step", [(s, step, strength_scale, entropy_coef) for s in shards]))
+        return merge_ranks(self.call_each("train_step", calls))

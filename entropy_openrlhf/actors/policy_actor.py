@@ -97,11 +97,17 @@ class PolicyActor:
     # ------------------------------------------------------------------ the RL step
 
     def train_step(
-        self, samples: list[TrainSample], step: int, strength_scale: float = 1.0, entropy_coef: float | None = None
+        self,
+        samples: list[TrainSample],
+        step: int,
+        strength_scale: float = 1.0,
+        entropy_coef: float | None = None,
+        micro_sizes: list[list[int]] | None = None,
     ) -> dict[str, float]:
         """One RL step on this rank's shard. `strength_scale` multiplies the objective's controlled knob
         (--entropy.target; 1 = as configured); `entropy_coef` is the entropy bonus's coefficient for this step (the
-        controller's; None = --loss.entropy_coef)."""
+        controller's; None = --loss.entropy_coef); `micro_sizes` cuts the shard into micro-batches (the driver's
+        layout, PolicyGroup.train_step; None: --actor.micro_batch_size sequences)."""
         from entropy_openrlhf.actors.train_phases import (  # actor-only imports (module docstring)
             old_log_probs,
             optimizer_step,
@@ -110,7 +116,7 @@ class PolicyActor:
         )
 
         t0 = time.time()
-        s = prepare_step(self.setup, self.engine, samples, step, strength_scale, entropy_coef)
+        s = prepare_step(self.setup, self.engine, samples, step, strength_scale, entropy_coef, micro_sizes)
         # 1. old log-probs and entropies with the weights the optimizer steps start from. The first mini-batch's
         # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
         # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
@@ -119,7 +125,7 @@ class PolicyActor:
         bypass = s.off_policy.bypass
         first_from_training = bypass or (self.dropout_free and not s.select_globally)
         # the micro-batches the no-grad pass computes: from no_grad_from on
-        no_grad_from = len(s.batches) if bypass else s.micro_per_mini if first_from_training else 0
+        no_grad_from = len(s.batches) if bypass else len(s.minis[0]) if first_from_training else 0
         old_log_probs(self.setup, self.engine, s, range(no_grad_from, len(s.batches)))
         # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
         s.add("train/old_pass_micro_batches", len(s.batches) - no_grad_from)

@@ -7,7 +7,8 @@ group (reference_actor.py tells the two apart).
 
 Data parallelism: the batch is cut into micro-batches exactly as one rank would cut it, and each rank takes a
 contiguous run of them (`deal_micro_batches`); all ranks run the same number of forwards, since every ZeRO-3 forward
-gathers parameters from all of them.
+gathers parameters from all of them. With a token budget (`--ref.max_tokens_per_micro_batch`, or the policy's) the
+micro-batches are formed by tokens and balanced over the ranks instead (micro_batches.py::forward_batches).
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from __future__ import annotations
 import math
 
 from entropy_openrlhf.actors.group import ActorGroup
+from entropy_openrlhf.actors.micro_batches import forward_batches
 from entropy_openrlhf.actors.reference_actor import ReferenceActor, reference_ds_config
-from entropy_openrlhf.config import Config, reference_gpus, reference_micro_batch_size, reference_uses_deepspeed
+from entropy_openrlhf.config import (
+    Config,
+    reference_gpus,
+    reference_max_tokens,
+    reference_micro_batch_size,
+    reference_uses_deepspeed,
+)
 
 __all__ = ["ReferenceActor", "ReferenceGroup", "deal_micro_batches", "reference_ds_config"]
 
@@ -66,7 +74,25 @@ class ReferenceGroup(ActorGroup):
 
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """One list of per-token reference log-probs per response, in order, from all ranks."""
-        shards, forwards = deal_micro_batches(len(prompt_ids), reference_micro_batch_size(self.cfg), len(self.actors))
-        per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
+        budget = reference_max_tokens(self.cfg)
+        if budget:
+            # by tokens: micro-batches of at most `budget`, balanced over the ranks, put back in order afterwards
+            lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+            ranks = forward_batches(lengths, len(self.actors), budget)
+            orders = [[i for micro in rank for i in micro] for rank in ranks]
+            per_rank = [
+                ([prompt_ids[i] for i in order], [response_ids[i] for i in order], len(rank), [len(m) for m in rank])
+                for order, rank in zip(orders, ranks)
+            ]
+        else:
+            shards, forwards = deal_micro_batches(
+                len(prompt_ids), reference_micro_batch_size(self.cfg), len(self.actors)
+            )
+            orders = [list(range(start, end)) for start, end in shards]
+            per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
         parts = self.call_each("log_probs", per_rank, timeout_s=self.cfg.ref.timeout_s, what="--ref.timeout_s")
-        return [lp for part in parts for lp in part]
+        out: list[list[float]] = [[] for _ in prompt_ids]
+        for order, part in zip(orders, parts):
+            for i, lp in zip(order, part, strict=True):
+                out[i] = lp
+        return out

@@ -141,27 +141,40 @@ class ReferenceActor:
         ).to(self.device)  # fmt: skip
 
     def log_probs(
-        self, prompt_ids: list[list[int]], response_ids: list[list[int]], forwards: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        forwards: int | None = None,
+        sizes: list[int] | None = None,
     ) -> list[list[float]]:
         """One list of per-token log-probs per response, in order. `forwards`: how many forwards every rank of the
-        group runs (ReferenceGroup.log_probs); this rank pads its own micro-batches up to it with stand-ins."""
+        group runs (ReferenceGroup.log_probs); this rank pads its own micro-batches up to it with stand-ins.
+        `sizes`: the micro-batches to cut instead of --ref.micro_batch_size sequences each (a token budget's, whose
+        0s are stand-ins; `forwards` is then their number)."""
         from entropy_openrlhf.actors.forward import forward_log_probs  # actor-only imports (module docstring)
 
-        step = self.micro_batch_size
-        starts = range(0, len(prompt_ids), step)
-        forwards = len(starts) if forwards is None else forwards
-        if len(starts) > forwards:
-            raise ValueError(f"reference rank {self.rank}: {len(starts)} micro-batches, but {forwards} forwards")
+        if sizes is None:
+            step = self.micro_batch_size
+            sizes = [min(step, len(prompt_ids) - i) for i in range(0, len(prompt_ids), step)]
+            sizes += [0] * ((len(sizes) if forwards is None else forwards) - len(sizes))
+        if sum(sizes) != len(prompt_ids) or (forwards is not None and len(sizes) > forwards):
+            raise ValueError(
+                f"reference rank {self.rank}: micro-batches {sizes} for {len(prompt_ids)} sequences in "
+                f"{forwards} forwards"
+            )
         out: list[list[float]] = []
+        start = 0
         with torch.no_grad():
-            for i in starts:
-                b = self._batch(prompt_ids[i : i + step], response_ids[i : i + step])
+            for n in sizes:
+                if n == 0:
+                    # ZeRO-3: the other ranks' forwards gather parameters with this rank too, so it must run as many
+                    forward_log_probs(self.model, self._batch([[self.pad_id]], [[self.pad_id]]))
+                    continue
+                b = self._batch(prompt_ids[start : start + n], response_ids[start : start + n])
                 # at the sampling temperature, as the policy's: the KL term compares the two distributions at T
                 lp, _ = forward_log_probs(self.model, b, temperature=self.cfg.rollout.temperature)
                 out += [lp[j][b.mask[j].bool()].float().tolist() for j in range(lp.shape[0])]
-            # ZeRO-3: the other ranks' forwards gather parameters with this rank too, so it must run as many
-            for _ in range(forwards - len(starts)):
-                forward_log_probs(self.model, self._batch([[self.pad_id]], [[self.pad_id]]))
+                start += n
         return out
 
     def ready(self) -> dict[str, float]:

@@ -27,7 +27,7 @@ class TrainSample:
 
 
 # reduced over micro-batches and ranks by max, the rest by mean
-MAX_METRICS = {"rollout/logprob_diff_max", "offpolicy/weight_max"}
+MAX_METRICS = {"rollout/logprob_diff_max", "offpolicy/weight_max", "train/micro_batch_tokens_max"}
 # each rank's value is its share of the mini-batch mean (aggregate's normaliser spans all ranks): summed over ranks
 SUMMED_LOSSES = ("loss/policy", "loss/entropy_bonus")
 
@@ -36,12 +36,13 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def reduce_micro_batches(metrics: dict[str, list[float]], micro_per_mini: int, world_size: int) -> dict[str, float]:
+def reduce_micro_batches(metrics: dict[str, list[float]], mini_batches: int, world_size: int) -> dict[str, float]:
     """One rank's metrics of every micro-batch as one value each."""
     result = {k: max(v) if k in MAX_METRICS else mean(v) for k, v in metrics.items()}
-    # the loss is a share of the mini-batch mean on each rank: the sum over micro-batches is the step's loss
+    # the loss is a share of the mini-batch mean on each rank: its sum over a mini-batch's micro-batches is this
+    # rank's share of that mini-batch's loss, averaged here over the mini-batches
     for key in SUMMED_LOSSES:
-        result[key] = mean(metrics.get(key, [])) * micro_per_mini / world_size
+        result[key] = sum(metrics.get(key, [])) / mini_batches / world_size
     return result
 
 

@@ -1,7 +1,8 @@
 """The phases of one RL step on a policy rank, in the order PolicyActor.train_step runs them:
 
-1. `prepare_step`: the rank's shard cut into `train.mini_batches` mini-batches of micro-batches, on the device, with
-   their per-token grids and the objective's settings for this step;
+1. `prepare_step`: the rank's shard cut into `train.mini_batches` mini-batches of micro-batches (the sizes the
+   driver's layout gives, micro_batches.py), on the device, with their per-token grids and the objective's settings
+   for this step;
 2. `old_log_probs`: the no-grad pass, old log-probs and token entropies with the weights the step starts from;
    `observe_old` turns them into metrics and, through `algorithms.off_policy.correct` (`--offpolicy.*`), into the
    per-token weights of the off-policy correction. Under `--offpolicy.bypass` pi_old is the rollout's log-probs and
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from entropy_openrlhf.actors.forward import SeqBatch, forward_log_probs, make_seq_batch, to_token_grid
+from entropy_openrlhf.actors.micro_batches import fixed_layout
 from entropy_openrlhf.actors.step_data import TrainSample, reduce_micro_batches
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
 from entropy_openrlhf.algorithms.metrics import entropy_stats
@@ -65,9 +67,9 @@ class RankSetup:
 
 @dataclass
 class StepState:
-    """One train step on this rank: its settings, its micro-batches (mini-batch m is micro-batches
-    [m * micro_per_mini, (m + 1) * micro_per_mini)) with their per-token grids, and what the step learns of them
-    (old log-probs, entropies, IS weights, metrics) as it goes."""
+    """One train step on this rank: its settings, its micro-batches (mini-batch m is micro-batches `minis[m]`; an
+    empty stand-in's mask is all 0) with their per-token grids, and what the step learns of them (old log-probs,
+    entropies, IS weights, metrics) as it goes."""
 
     step: int
     params: Any  # the objective's settings, scaled by the entropy controller
@@ -75,7 +77,7 @@ class StepState:
     select_globally: bool
     needs_entropy: bool
     bonus_coef: float
-    micro_per_mini: int
+    minis: list[list[int]]  # the micro-batch indices of each mini-batch
     batches: list[SeqBatch]
     advantages: list[torch.Tensor]
     rollout_lp: list[torch.Tensor]
@@ -89,6 +91,12 @@ class StepState:
 
     def add(self, key: str, value: float) -> None:
         self.metrics.setdefault(key, []).append(float(value))
+
+
+def _stand_in(pad_id: int) -> TrainSample:
+    """An empty micro-batch's one sequence: a pad token answered by a pad token, masked out of everything. Its
+    forward and backward are the collectives this rank owes the others (micro_batches.py)."""
+    return TrainSample([pad_id], [pad_id], 0.0, [0.0], ref_log_probs=[0.0], response_mask=[0])
 
 
 def make_batch(setup: RankSetup, engine: Any, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> SeqBatch:
@@ -123,20 +131,29 @@ def prepare_step(
     step: int,
     strength_scale: float,
     entropy_coef: float | None,
+    micro_sizes: list[list[int]] | None = None,
 ) -> StepState:
     """The shard cut into mini-batches of micro-batches, on the device, with their per-token grids, and the
-    settings of the objective for this step (`strength_scale`, `entropy_coef`: PolicyActor.train_step)."""
+    settings of the objective for this step (`strength_scale`, `entropy_coef`: PolicyActor.train_step).
+    `micro_sizes[m]`: the sizes of mini-batch m's micro-batches, in the shard's order (the driver's layout; 0 is an
+    empty stand-in that keeps this rank in step with the others); None: equal mini-batches of
+    `--actor.micro_batch_size` sequences."""
     cfg = setup.cfg
-    mbs, n_mini = cfg.actor.micro_batch_size, cfg.train.mini_batches
-    per_mini = len(samples) // n_mini
-    if per_mini * n_mini != len(samples):
-        raise ValueError(f"{len(samples)} samples on rank {setup.rank} do not split into {n_mini} mini-batches")
-    # mini-batch m is micro-batches [m * micro_per_mini, (m + 1) * micro_per_mini)
-    micro = [
-        samples[start + i : start + min(i + mbs, per_mini)]
-        for start in range(0, len(samples), per_mini)
-        for i in range(0, per_mini, mbs)
-    ]
+    if micro_sizes is None:
+        micro_sizes = fixed_layout(len(samples), cfg.train.mini_batches, 1, cfg.actor.micro_batch_size).sizes(0)
+    if len(micro_sizes) != cfg.train.mini_batches or sum(map(sum, micro_sizes)) != len(samples):
+        raise ValueError(
+            f"rank {setup.rank}: micro-batch sizes {micro_sizes} do not cut {len(samples)} samples into "
+            f"{cfg.train.mini_batches} mini-batches"
+        )
+    micro: list[list[TrainSample]] = []
+    minis: list[list[int]] = []
+    start = 0
+    for sizes in micro_sizes:
+        minis.append(list(range(len(micro), len(micro) + len(sizes))))
+        for n in sizes:
+            micro.append(samples[start : start + n] or [_stand_in(setup.pad_id)])
+            start += n
     batches = [make_batch(setup, engine, [s.prompt_ids for s in m], [s.response_ids for s in m]) for m in micro]
 
     def grid(values_of: Callable[[TrainSample], list[float]]) -> list[torch.Tensor]:
@@ -147,7 +164,7 @@ def prepare_step(
         ]
 
     # the response masks narrow the loss mask: a masked token is in no loss, no normaliser and no metric
-    if any(s.response_mask is not None for s in samples):
+    if any(s.response_mask is not None for m in micro for s in m):
         masks = grid(lambda s: s.response_mask if s.response_mask is not None else [1] * len(s.response_ids))
         for b, keep in zip(batches, masks):
             b.mask = b.mask * keep.to(b.mask.dtype)
@@ -164,7 +181,7 @@ def prepare_step(
         select_globally=lc.scope == "global" and objective.select is not None,
         needs_entropy=objective_needs_entropy(lc.type, lc),
         bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
-        micro_per_mini=len(micro) // n_mini,
+        minis=minis,
         batches=batches,
         advantages=grid(lambda s: [s.advantage] * len(s.response_ids)),
         rollout_lp=rollout_lp,
@@ -244,19 +261,22 @@ def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_f
     # the rate this step applies: DeepSpeed steps the schedule after the optimizer step (policy_engine.py), so the
     # param groups hold the next step's afterwards
     s.lr = float(engine.optimizer.param_groups[0]["lr"])
-    idx = list(range(mini * s.micro_per_mini, (mini + 1) * s.micro_per_mini))
+    idx = s.minis[mini]
     local_tokens = sum(float(s.batches[i].mask.sum()) for i in idx)
     local_seqs = sum(float((s.batches[i].mask.sum(-1) > 0).sum()) for i in idx)
     tokens, sequences = _all_reduce_sum(engine.device, setup.world_size, local_tokens, local_seqs)
     base = LossContext(
         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
         agg_norm_len=lc.agg_norm_len or setup.cfg.rollout.max_new_tokens, tokens=tokens, sequences=sequences,
-        dp_size=setup.world_size, micro_batches=s.micro_per_mini,
+        dp_size=setup.world_size, micro_batches=max(1, sum(bool(s.batches[i].mask.any()) for i in idx)),
     )  # fmt: skip
     selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
     if s.select_globally:
         selections, base = select_globally(setup, engine, s, mini, idx, base)
     for j, i in enumerate(idx):
+        # the optimizer steps after the mini-batch's last micro-batch, however many this step has: said explicitly,
+        # since a token budget varies the count DeepSpeed's gradient_accumulation_steps would assume
+        engine.set_gradient_accumulation_boundary(j == len(idx) - 1)
         # micro_batch scope: selections[i] is None and the objective selects here
         ctx = dataclasses.replace(base, generator=_generator(setup, s.step, mini, j), selected=selections[i])
         train_micro_batch(setup, engine, s, i, ctx, old_from_training)
@@ -307,6 +327,17 @@ def train_micro_batch(
     `old_from_training`: what the old pass would give of this micro-batch (entropies, metrics, off-policy weights
     and, unless bypass keeps the rollout's, the old log-probs) comes from this forward."""
     cfg, lc, b = setup.cfg, setup.cfg.loss, s.batches[i]
+    if not b.mask.any():
+        # an empty stand-in: a forward and a backward of zero, so that its collectives meet the other ranks'
+        lp, _ = forward_log_probs(engine, b, temperature=cfg.rollout.temperature)
+        if old_from_training:  # what the old pass would have left, for whatever reads it
+            s.entropies[i] = torch.zeros_like(lp.detach())
+            if not s.off_policy.bypass:
+                s.old_lp[i] = lp.detach().float()
+        engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
+        engine.step()
+        s.add("loss/policy", 0.0)
+        return
     with_bonus = s.bonus_coef > 0  # at 0 no entropy gradient is computed: the bonus off costs nothing
     lp, ent = forward_log_probs(
         engine, b, temperature=cfg.rollout.temperature, with_entropy=s.needs_entropy or old_from_training,
@@ -362,10 +393,16 @@ def _generator(setup: RankSetup, step: int, mini: int, micro: int) -> torch.Gene
 def step_result(s: StepState, *, world_size: int, skipped: int, lr: float, seconds: float) -> dict[str, float]:
     """The step's metrics on this rank, reduced over its micro-batches, with what the actor measured around them
     (`skipped` optimizer steps, the learning rate, the step's seconds)."""
-    result = reduce_micro_batches(s.metrics, s.micro_per_mini, world_size)
+    result = reduce_micro_batches(s.metrics, len(s.minis), world_size)
     result["loss/entropy_coef"] = s.bonus_coef
     result["train/skipped_steps"] = float(skipped)
     result["train/lr"] = float(lr)
     result["time/train_actor"] = seconds
     result["train/tokens"] = float(sum(float(b.mask.sum()) for b in s.batches))
+    # the micro-batches this rank ran (stand-ins too: they cost a forward and a backward) and the tokens of the real
+    # ones (prompt + response, padding not counted)
+    result["train/micro_batches"] = float(len(s.batches))
+    sizes = [float(b.attention_mask.sum()) for b in s.batches if b.mask.any()] or [0.0]
+    result["train/micro_batch_tokens_mean"] = sum(sizes) / len(sizes)
+    result["train/micro_batch_tokens_max"] = max(sizes)
     return result

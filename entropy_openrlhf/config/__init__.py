@@ -12,7 +12,7 @@ This module hands on the public names, so `from entropy_openrlhf.config import X
 
 from entropy_openrlhf.config.base import Section
 from entropy_openrlhf.config.cli import apply_preset, build_parser, from_args, set_by_path
-from entropy_openrlhf.config.schema import Config, reference_gpus, reference_micro_batch_size
+from entropy_openrlhf.config.schema import Config, reference_gpus, reference_max_tokens, reference_micro_batch_size
 from entropy_openrlhf.config.sections.actor import ActorConfig
 from entropy_openrlhf.config.sections.logger_ray import LoggerConfig, RayConfig
 from entropy_openrlhf.config.sections.loss import AlgoConfig, EntropyConfig, LossConfig, LossOptions
@@ -50,6 +50,7 @@ __all__ = [
     "build_parser",
     "from_args",
     "reference_gpus",
+    "reference_max_tokens",
     "reference_micro_batch_size",
     "reference_uses_deepspeed",
     "set_by_path",

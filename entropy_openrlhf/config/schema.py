@@ -82,3 +82,9 @@ def reference_gpus(cfg: Config) -> float:
 def reference_micro_batch_size(cfg: Config) -> int:
     """Sequences per reference forward: --ref.micro_batch_size, or the policy's when it is 0."""
     return cfg.ref.micro_batch_size or cfg.actor.micro_batch_size
+
+
+def reference_max_tokens(cfg: Config) -> int:
+    """Tokens per reference forward: --ref.max_tokens_per_micro_batch, or the policy's budget when it is 0 (0 for
+    both: micro-batches of reference_micro_batch_size sequences)."""
+    return cfg.ref.max_tokens_per_micro_batch or cfg.train.max_tokens_per_micro_batch

@@ -78,7 +78,8 @@ def validate(cfg: Config) -> list[str]:
     # no-grad forward of the current log-probs
     objective = OBJECTIVES.get(cfg.loss.type)
     if cfg.loss.scope == "global" and objective is not None and objective.select is not None:
-        if cfg.actor.num_workers == 1 and 0 < per_step <= cfg.actor.micro_batch_size:
+        one_micro_batch = 0 < per_step <= cfg.actor.micro_batch_size and not cfg.train.max_tokens_per_micro_batch
+        if cfg.actor.num_workers == 1 and one_micro_batch:
             notes.append(
                 f"--loss.scope global selects what micro_batch does here: each optimizer mini-batch ({per_step} "
                 f"sequences) is one micro-batch (--actor.micro_batch_size {cfg.actor.micro_batch_size}) on one actor, "

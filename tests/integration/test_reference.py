@@ -6,11 +6,14 @@ import random
 
 import pytest
 
+from entropy_openrlhf.actors.micro_batches import forward_batches
 from entropy_openrlhf.actors.reference import ReferenceGroup
 from entropy_openrlhf.cluster import exposed_listeners, ray_processes
 from entropy_openrlhf.config import from_args
 
 pytestmark = pytest.mark.integration
+
+BUDGET = 40  # tokens per reference forward in the token-budget case: a few sequences each
 
 
 def rollouts(groups: int = 5, per_prompt: int = 2, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -44,6 +47,13 @@ def test_two_zero3_ranks_give_the_single_reference_s_log_probs(ray_cluster, tiny
         assert exposed_listeners(ray_processes()) == []
         got = group.log_probs(prompts, responses)
         again = group.log_probs(prompts[:3], responses[:3])  # one micro-batch: rank 1 runs a stand-in only
+        # by a token budget (the driver reads it; a rank only cuts the sizes it is sent): micro-batches formed by
+        # tokens, dealt over the ranks out of order, and the log-probs back in order
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        layout = forward_batches(lengths, 2, BUDGET)
+        assert [i for rank in layout for micro in rank for i in micro] != list(range(len(prompts)))  # reordered
+        group.cfg.ref.max_tokens_per_micro_batch = BUDGET
+        by_tokens = group.log_probs(prompts, responses)
     finally:
         group.shutdown()
 
@@ -55,3 +65,5 @@ def test_two_zero3_ranks_give_the_single_reference_s_log_probs(ray_cluster, tiny
     worst = max(abs(a - b) for x, y in zip(got, expected) for a, b in zip(x, y))
     assert worst < 1e-5, f"ZeRO-3 log-probs differ from the single reference's by {worst}"
     assert max(abs(a - b) for x, y in zip(again, expected) for a, b in zip(x, y)) < 1e-5
+    assert [len(x) for x in by_tokens] == [len(r) for r in responses]
+    assert max(abs(a - b) for x, y in zip(by_tokens, expected) for a, b in zip(x, y)) < 1e-5

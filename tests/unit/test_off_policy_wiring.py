@@ -139,6 +139,9 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         loss.backward()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        pass
+
     def step(self) -> None:
         self.module.zero_grad()
 
@@ -339,7 +342,7 @@ def test_the_step_computes_at_the_sampling_temperature(tiny, monkeypatch, bypass
 
 def test_weight_max_is_reduced_by_max_and_ranks_keep_their_own_staleness_keys():
     micro = {"offpolicy/weight_max": [1.5, 3.0, 2.0], "offpolicy/weight_mean": [1.0, 2.0, 3.0]}
-    reduced = reduce_micro_batches(micro, micro_per_mini=3, world_size=1)
+    reduced = reduce_micro_batches(micro, mini_batches=1, world_size=1)
     assert reduced["offpolicy/weight_max"] == 3.0 and reduced["offpolicy/weight_mean"] == 2.0
     ranks = [
         {"offpolicy/weight_max": 3.0, "offpolicy/staleness_0/kl_k3": 0.1, "train/tokens": 5.0},
@@ -422,7 +425,7 @@ def test_both_routes_give_the_same_weights(openrlhf, ours, monkeypatch):
     b = mask.shape[0]
     s = StepState(
         step=0, params=None, off_policy=cfg.off_policy, select_globally=False, needs_entropy=False, bonus_coef=0.0,
-        micro_per_mini=1, batches=[SeqBatch(torch.zeros(b, mask.shape[1] + 1, dtype=torch.long),
+        minis=[[0]], batches=[SeqBatch(torch.zeros(b, mask.shape[1] + 1, dtype=torch.long),
                                             torch.ones(b, mask.shape[1] + 1, dtype=torch.long), mask)],
         advantages=[adv], rollout_lp=[rollout], ref_lp=None, old_lp=[old], entropies=[torch.zeros_like(old)],
         is_weights=[None], staleness=[torch.zeros(b, dtype=torch.long)],

@@ -48,6 +48,11 @@ class RefConfig(Section):
         "whole model (from host memory with --ref.offload), so fewer, larger forwards cost less; the limit is the "
         "fp32 logits of a micro-batch's responses",
     )
+    max_tokens_per_micro_batch: int = _f(
+        0,
+        "token budget of one reference forward (prompt + response tokens; a longer sequence runs alone), instead of "
+        "--ref.micro_batch_size sequences; 0 = --train.max_tokens_per_micro_batch (and sequences when that is 0)",
+    )
     timeout_s: float = _f(1800.0, "reference log-probs of one batch that take longer fail, naming the group")
 
     def checks(self) -> list[str]:
@@ -58,6 +63,11 @@ class RefConfig(Section):
             + _failed(
                 (self.num_workers >= 1, "ref.num_workers", f"{self.num_workers} must be >= 1"),
                 (self.timeout_s > 0, "ref.timeout_s", f"{self.timeout_s:g} must be > 0"),
+                (
+                    self.max_tokens_per_micro_batch >= 0,
+                    "ref.max_tokens_per_micro_batch",
+                    f"{self.max_tokens_per_micro_batch} must be >= 0 (0 = the policy's)",
+                ),
                 (
                     self.micro_batch_size >= 0,
                     "ref.micro_batch_size",

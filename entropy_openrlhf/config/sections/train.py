@@ -30,9 +30,21 @@ class TrainConfig(Section):
         choices=("auto", "on", "off"),
     )
 
+    max_tokens_per_micro_batch: int = _f(
+        0,
+        "token budget of one policy micro-batch (prompt + response tokens of its sequences; a longer sequence runs "
+        "alone): micro-batches formed by tokens, balanced over the ranks, instead of --actor.micro_batch_size "
+        "sequences (0). The gradient is the same; a per-micro-batch selection (--loss.scope micro_batch) is not",
+    )
+
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (
+                self.max_tokens_per_micro_batch >= 0,
+                "train.max_tokens_per_micro_batch",
+                f"{self.max_tokens_per_micro_batch} must be >= 0 (0 = --actor.micro_batch_size sequences)",
+            ),
             (self.save_every >= 0, "train.save_every", "must be >= 0"),
             (self.keep_checkpoints >= 0, "train.keep_checkpoints", "must be >= 0 (0 = keep all)"),
             (self.mini_batches >= 1, "train.mini_batches", "must be >= 1"),
