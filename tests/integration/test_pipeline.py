@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 VERIFIER = str(Path(__file__).parent / "verifiers.py") + ":digit_share"
 
 
-def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3):
+def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3, extra: tuple[str, ...] = ()):
     cfg = from_args(
         [
             "--preset", "smoke",
@@ -30,6 +30,7 @@ def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3)
             "--eval.n_samples", "2",
             # the floor of one token in every micro-batch: the run says once that the floor, not the ratio, selects
             f"--loss.{loss}.ratio", "0.001",
+            *extra,
         ],
         {"loss.type": loss},
     )  # fmt: skip
@@ -40,9 +41,15 @@ def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3)
     return cfg, model_path, trainer, tracker
 
 
+# the asynchronous run also forms its micro-batches by tokens: this task's sequences are 640-710 tokens (a few-shot
+# prompt and at most 16 response tokens), so a budget of 1500 takes two of them, where the fixed split takes four
+BUDGET = 1500
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys):
-    cfg, model_path, trainer, tracker = run_pipeline(tmp_path, staleness)
+    extra = ("--train.max_tokens_per_micro_batch", str(BUDGET)) if staleness else ()
+    cfg, model_path, trainer, tracker = run_pipeline(tmp_path, staleness, extra=extra)
     try:
         history = trainer.run(tracker)
         assert [h["step"] for h in history] == [0, 1, 2]
@@ -54,6 +61,12 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
             assert h["rollout/samples"] == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             assert torch.isfinite(torch.tensor(h["loss/policy"]))
             assert h["entropy/seq_mean"] > 0
+            sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+            if staleness:  # by tokens: two sequences per micro-batch, within the budget
+                assert h["train/micro_batches"] == sequences // 2
+                assert 2 * 600 < h["train/micro_batch_tokens_max"] <= BUDGET
+            else:
+                assert h["train/micro_batches"] == sequences // cfg.actor.micro_batch_size
         # in-training evaluation of the built-in test split: the initial weights, logged with step 0, versions that
         # are multiples of eval.every, and the final weights (version 3), logged with the last step
         assert history[0]["eval/policy_version"] == 0
