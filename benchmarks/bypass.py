@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         from entropy_openrlhf.cluster import init_ray
-        from entropy_openrlhf.models import model_folder
+        from entropy_openrlhf.models.builtin import model_folder
 
         model_path = model_folder(args.model, tmp.name)
         started = init_ray(num_cpus=8)

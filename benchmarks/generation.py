@@ -126,7 +126,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from entropy_openrlhf.actors.rollout import RolloutEngine
-    from entropy_openrlhf.models import model_folder
+    from entropy_openrlhf.models.builtin import model_folder
     from entropy_openrlhf.models.dtype import vllm_dtype
 
     tmp = tempfile.TemporaryDirectory(prefix="generation_")  # removed when the process ends

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from entropy_openrlhf.cluster import init_ray
         from entropy_openrlhf.data.arith_task import write_builtin_task
-        from entropy_openrlhf.models import model_folder
+        from entropy_openrlhf.models.builtin import model_folder
         from entropy_openrlhf.models.dtype import resolve_dtype
 
         model_path = model_folder(args.model, tmp.name)

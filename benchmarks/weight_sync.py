@@ -87,7 +87,7 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
     from entropy_openrlhf.config import from_args
     from entropy_openrlhf.data.arith_task import write_builtin_task
     from entropy_openrlhf.data.dataset import load_prompts
-    from entropy_openrlhf.models import model_folder
+    from entropy_openrlhf.models.builtin import model_folder
     from entropy_openrlhf.sync.collective import CollectiveSync
     from entropy_openrlhf.sync.object_store import ObjectStoreSync
 

@@ -1,5 +1,9 @@
 """Start or join Ray with every process on loopback (docs/guides/cpu.md, 'Run-time environment': by default Ray, vLLM
-and gloo bind the machine's external address)."""
+and gloo bind the machine's external address).
+
+The verifier workers import none of it (they wait with ray_waits.py), so this module may import torch, which
+`has_cuda` asks and they never need (1.4 s, +190 MB each).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ from dataclasses import dataclass
 
 import psutil
 import ray
+import torch
 from ray._private import ray_constants
-from ray.util.placement_group import remove_placement_group
 
 # Set in the driver before Ray starts and passed to every actor through the runtime env.
 LOOPBACK_ENV = {
@@ -35,13 +39,7 @@ CPU_DEFAULT_ENV = {
 
 
 def has_cuda() -> bool:
-    try:
-        # torch only when asked: the verifier workers import this module and never need it (1.4 s, +190 MB each)
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    return torch.cuda.is_available()
 
 
 def set_cpu_defaults() -> None:
@@ -147,60 +145,6 @@ def check_loopback_only(processes: list[psutil.Process]) -> None:
             + ". Export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Python starts, or start a head with "
             "scripts/ray_head.sh and submit with `ray job submit`"
         )
-
-
-# --------------------------------------------------------------------------- waiting on Ray, with deadlines
-
-
-def _free_resources() -> str:
-    free = ray.available_resources()
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(free.items()) if not k.startswith(("node:", "memory", "object")))
-
-
-def wait_placement(pg, what: str, timeout_s: float) -> None:
-    """Wait for a placement group; on timeout remove it and fail naming the group and the cluster's free resources
-    (a group that cannot be placed would otherwise wait forever, silently)."""
-    if not pg.wait(timeout_s):
-        remove_placement_group(pg)
-        raise TimeoutError(
-            f"{what}: Ray could not place it within {timeout_s:.0f} s (--ray.placement_timeout_s); free resources: "
-            f"{_free_resources()}; `ray status` shows what holds the rest"
-        )
-
-
-def wait_started(refs: list, what: str, timeout_s: float) -> list:
-    """ray.get of actors' start-up calls with a deadline; on timeout the error names the group."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(
-            f"{what} did not start within {timeout_s:.0f} s (--ray.start_timeout_s): loading the model, or waiting "
-            f"for a resource; free resources: {_free_resources()}"
-        ) from None
-
-
-def wait_dead(actors: list, timeout_s: float) -> int:
-    """After `ray.kill`, which only asks Ray to kill: wait until every actor is gone (a call to it fails with
-    RayActorError), at most `timeout_s`. Returns how many still answered at the deadline."""
-    pending = list(actors)
-    deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
-        refs = [a.__ray_call__.remote(lambda _actor: None) for a in pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.1, deadline - time.monotonic()))
-        alive = []
-        for actor, ref in zip(pending, refs):
-            if ref not in ready:
-                alive.append(actor)  # no answer yet: still shutting down, or its node is unreachable
-                continue
-            try:
-                ray.get(ref)
-                alive.append(actor)  # answered: not killed yet
-            except ray.exceptions.RayActorError:
-                pass
-        pending = alive
-        if pending:
-            time.sleep(0.2)
-    return len(pending)
 
 
 # --------------------------------------------------------------------------- lost nodes

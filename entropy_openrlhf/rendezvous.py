@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import os
 import socket
 
 import torch.distributed as dist
@@ -42,11 +43,17 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     return dist.TCPStore(host, port, world_size, False, datetime.timedelta(seconds=timeout_s))
 
 
+def deepspeed_pg_timeout() -> datetime.timedelta:
+    """DeepSpeed's default timeout for collectives (`deepspeed.constants.default_pg_timeout`: $DEEPSPEED_TIMEOUT
+    minutes, 10 unset), computed as DeepSpeed computes it rather than imported: the driver and vLLM's engines import
+    this module (through sync/group.py) and must not load DeepSpeed. tests/unit/test_loopback.py checks that the two
+    agree."""
+    return datetime.timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", default=10)))
+
+
 def init_default_group(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
     """torch.distributed's default group for ranks that meet at host:port, rank 0 hosting the store there. The
     same as `init_process_group("env://")` (what DeepSpeed's `init_distributed` would run) except for where the
     store listens. `timeout_s` bounds the wait for the store; collectives keep DeepSpeed's default timeout."""
-    from deepspeed.constants import default_pg_timeout  # deepspeed only where ranks are built: not in the driver
-
     store = (serve_store if rank == 0 else connect_store)(host, port, world_size, timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=default_pg_timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=deepspeed_pg_timeout())

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import entropy_openrlhf  # noqa: F401  (keeps a local Ray on loopback)
 from entropy_openrlhf.config import ConfigError, from_args
-from entropy_openrlhf.data.dataset import DatasetError
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.pipeline.main import prepare
 from rewards import VerifierLoadError
@@ -27,6 +26,9 @@ from rewards import VerifierLoadError
 
 def main(argv: list[str] | None = None) -> int:
     cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
+    # after the flags, as in pipeline/main.py (its docstring): --help answers without the data loaders (datasets)
+    from entropy_openrlhf.data.dataset import DatasetError
+
     try:
         model_path, _, items = prepare(cfg, need_train=False)
     except (ConfigError, DatasetError, VerifierLoadError) as e:

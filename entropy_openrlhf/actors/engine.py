@@ -14,9 +14,10 @@ The engine's end of both weight syncs (rollout.py tells them apart): `update_wei
 its vLLM workers and reloads them in one call; `init_weight_sync` / `receive_weights` join the trainer's broadcast
 group and receive from it (sync/receiver.py holds the workers' side of both).
 
-vLLM is imported inside RolloutEngine's methods ("engine-only imports"): the driver imports this module for
-RolloutGroup to spawn, and would otherwise load vLLM for nothing (`from vllm import LLM`: ~7.5 s of CPU and ~380 MB
-on top of what the driver holds), and in the engine `set_cpu_defaults` must set the VLLM_* variables first.
+vLLM and transformers are imported in RolloutEngine's constructor, from engine_only.py ("engine-only imports"): the
+driver imports this module for RolloutGroup to spawn, and would otherwise load vLLM for nothing (`from vllm import
+LLM`: ~7.5 s of CPU and ~380 MB on top of what the driver holds), and in the engine `set_cpu_defaults` must set the
+VLLM_* variables and HF_HUB_OFFLINE first.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import ray
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, engine_visible_devices
 from entropy_openrlhf.actors.reaper import mark_environment, process_tree, reap_recorded, write_record
-from entropy_openrlhf.actors.weight_names import check_weight_names
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
 from entropy_openrlhf.models.dtype import vllm_dtype
 from entropy_openrlhf.samples import PromptItem, Sample
@@ -140,12 +140,13 @@ class RolloutEngine:
                 log.warning("rollout engine restarting: ended processes %s of its previous incarnation", killed)
             mark_environment(self.record_key)  # every process vLLM starts from here on is found by its mark
         set_cpu_defaults()
-        # before vLLM loads anything: a model whose exported weights the engine could not load fails here, in one
+        # engine-only imports (module docstring), here in the engine's own process, after set_cpu_defaults
+        from entropy_openrlhf.actors.engine_only import LLM, SamplingParams, check_weight_names, vllm_envs
+
+        # before vLLM loads the model: a model whose exported weights the engine could not load fails here, in one
         # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
         if not check_weight_names(model_path):
             log.warning("%s holds no safetensors checkpoint: the policy's weight names were not checked", model_path)
-        import vllm.envs  # engine-only imports (module docstring)
-        from vllm import LLM
 
         # the sampled distribution's log-probs (module docstring); a caller may still ask for another mode
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
@@ -175,10 +176,14 @@ class RolloutEngine:
         if self.record_key:  # every process vLLM started is up now
             write_record(self.record_key, process_tree(os.getpid()))
         self.tokenizer = self.llm.get_tokenizer()
+        self.sampling_params = SamplingParams  # vLLM's class, which generate and sequence_log_probs build
         self.on_cpu = not has_cuda()
         self._said_unseeded = False  # _seeded_call_would_crash's note, once
+        # whether vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING, which vLLM may turn
+        # off while it starts: read once it has)
+        self.engine_core_elsewhere = bool(vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING)
         # Workers in this process take tensors as they are; in other processes the RPC would turn them into lists.
-        self.workers_in_process = not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
+        self.workers_in_process = not self.engine_core_elsewhere and tensor_parallel_size == 1
         self.version = 0
         # this process's identity: Ray restarts an engine as a new process with a new one, which tells a restart
         # apart even when the new process holds the same version as the old (the initial weights, version 0)
@@ -234,8 +239,6 @@ class RolloutEngine:
     ) -> list[Sample]:
         """n samples per prompt, in prompt order, each tagged with `policy_version`. With `require_version`, an
         engine holding other weights refuses (StaleEngineError) rather than mislabel what it samples."""
-        from vllm import SamplingParams  # engine-only imports (module docstring)
-
         if require_version is not None and require_version != self.version:
             raise StaleEngineError(f"holds policy version {self.version}, not {require_version}")
         if not prompts:
@@ -245,7 +248,7 @@ class RolloutEngine:
         if seed is not None and temperature > 0 and self._seeded_call_would_crash(token_ids, n):
             seed = None
         params = [
-            SamplingParams(
+            self.sampling_params(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
@@ -282,9 +285,7 @@ class RolloutEngine:
         self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
     ) -> list[list[float]]:
         """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
-        from vllm import SamplingParams  # engine-only imports (module docstring)
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
+        params = self.sampling_params(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
         inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         result = []
@@ -339,7 +340,7 @@ class RolloutEngine:
 
     def reload_log_counts(self) -> list[dict]:
         """Per vLLM worker: the layers whose "Failed to load weights" is known harmless, how many such messages
-        were dropped, and how many about other layers were let through (receiver.KnownUnloadedFilter)."""
+        were dropped, and how many about other layers were let through (reload_log.KnownUnloadedFilter)."""
         return self.llm.collective_rpc("reload_log_counts")
 
     def device_report(self) -> tuple[str, bool]:
@@ -349,9 +350,7 @@ class RolloutEngine:
     def engine_core_in_process(self) -> bool:
         """False when vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the GPU
         default): every weight sync RPC is then serialised (msgspec) on its way to the workers."""
-        import vllm.envs  # engine-only imports (module docstring)
-
-        return not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        return not self.engine_core_elsewhere
 
 
 RolloutActor = ray.remote(RolloutEngine)

@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from entropy_openrlhf.cluster import wait_placement, wait_started
+from entropy_openrlhf.ray_waits import wait_placement, wait_started
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,12 @@ the shard, then one optimizer step per mini-batch on the objective `--loss.type`
 torch's fused AdamW (DeepSpeed's CPU optimizers need a minute of JIT builds); GPU clusters use NCCL. Nothing else
 differs.
 
-DeepSpeed, transformers and train_phases.py (which loads OpenRLHF's helpers) are imported inside the actor's methods
-("actor-only imports"), for two reasons. The driver imports this module too: PolicyGroup spawns this class, and
-would otherwise load them for nothing. And Ray imports this module in the actor's process before `__init__` runs,
-while those libraries read their settings when they are imported (DeepSpeed its DS_ACCELERATOR, huggingface_hub
-HF_HUB_OFFLINE), which `set_cpu_defaults` sets first.
+DeepSpeed and transformers (through policy_deepspeed.py, the rank's DeepSpeed side) and train_phases.py (which loads
+OpenRLHF's helpers) are imported in the actor's constructor ("actor-only imports"), for two reasons. The driver
+imports this module too: PolicyGroup spawns this class, and would otherwise load them for nothing. And Ray imports
+this module in the actor's process before `__init__` runs, while those libraries read their settings when they are
+imported (DeepSpeed its DS_ACCELERATOR, huggingface_hub HF_HUB_OFFLINE), which `set_cpu_defaults` sets first. Two
+imports, because train_phases.py comes after the model is built (policy_engine.py says why).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_e
 from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config
-from entropy_openrlhf.rendezvous import init_default_group
-from entropy_openrlhf.sync.base import PolicyRank, RankSender
+from entropy_openrlhf.sync.base import RankSender
 from entropy_openrlhf.sync.factory import make_sender
 
 
@@ -63,18 +63,13 @@ class PolicyActor:
             raise RuntimeError(f"policy rank {rank}: {error}")
         if self.cuda:
             torch.cuda.set_device(device_index)  # before NCCL starts: its communicator binds the current device
-        import deepspeed  # actor-only imports (module docstring)
-
-        from entropy_openrlhf.actors.policy_engine import build_policy_engine
+        # actor-only import (module docstring): DeepSpeed and transformers, after set_cpu_defaults
+        from entropy_openrlhf.actors.policy_deepspeed import DeepSpeedPolicy
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        # The ranks meet on a store we host, not through "env://": torch's own rendezvous server listens on every
-        # interface (rendezvous.py), ours only on master_addr. DeepSpeed then adopts the initialised group.
-        backend = "nccl" if self.cuda else "gloo"
-        init_default_group(backend, master_addr, master_port, rank, world_size, cfg.ray.start_timeout_s)
-        deepspeed.init_distributed(dist_backend=backend)
-        # the model, AdamW, the learning-rate schedule and the engine: the same code scripts/gpu_check.py steps
-        built = build_policy_engine(cfg, model_path, world_size)
+        # the process group, then the model, AdamW, the learning-rate schedule and the engine
+        self.deepspeed = DeepSpeedPolicy(cfg, model_path, rank, world_size, master_addr, master_port, self.cuda)
+        built = self.deepspeed.built
         self.engine, self.load_info = built.engine, built.load_info
         self._hf_ds_config = built.hf_ds_config  # ZeRO-3: keeps transformers' view of it alive (policy_engine.py)
         if rank == 0:
@@ -83,14 +78,15 @@ class PolicyActor:
                 f"(ZeRO-{cfg.actor.zero_stage}): {self.load_info['full_param_elements']:,} parameter elements held in "
                 f"full, private host memory +{self.load_info['private_host_growth_bytes'] / 2**30:.2f} GiB"
             )
-        # actor-only import (module docstring), after the model is built (policy_engine.py)
-        from entropy_openrlhf.actors.train_phases import RankSetup
+        # actor-only import (module docstring), after the model is built (policy_engine.py): the step's phases
+        from entropy_openrlhf.actors import train_phases
 
+        self.phases = train_phases  # train_step and forward_log_probs run them
         # Without dropout a training forward computes what an eval forward does, so train_step may take the first
         # mini-batch's old log-probs from its training forward.
         self.dropout_free = built.dropout_free
         self.model_path = model_path  # save_hf copies its tokenizer and generation config
-        self.setup = RankSetup(cfg, rank, world_size, built.pad_id)  # what the step's phases read of this rank
+        self.setup = train_phases.RankSetup(cfg, rank, world_size, built.pad_id)  # what the phases read of this rank
         self.senders: dict[str, RankSender] = {}  # one per weight sync method that runs code here (`sync`)
         self.version = 0
 
@@ -108,15 +104,8 @@ class PolicyActor:
         (--entropy.target; 1 = as configured); `entropy_coef` is the entropy bonus's coefficient for this step (the
         controller's; None = --loss.entropy_coef); `micro_sizes` cuts the shard into micro-batches (the driver's
         layout, PolicyGroup.train_step; None: --actor.micro_batch_size sequences)."""
-        from entropy_openrlhf.actors.train_phases import (  # actor-only imports (module docstring)
-            old_log_probs,
-            optimizer_step,
-            prepare_step,
-            step_result,
-        )
-
         t0 = time.time()
-        s = prepare_step(self.setup, self.engine, samples, step, strength_scale, entropy_coef, micro_sizes)
+        s = self.phases.prepare_step(self.setup, self.engine, samples, step, strength_scale, entropy_coef, micro_sizes)
         # 1. old log-probs and entropies with the weights the optimizer steps start from. The first mini-batch's
         # come from its own training forward in 2: the weights have not moved yet, so they are the same numbers for
         # one forward fewer. Global selection needs them before that forward, and dropout would make the two differ:
@@ -126,7 +115,7 @@ class PolicyActor:
         first_from_training = bypass or (self.dropout_free and not s.select_globally)
         # the micro-batches the no-grad pass computes: from no_grad_from on
         no_grad_from = len(s.batches) if bypass else len(s.minis[0]) if first_from_training else 0
-        old_log_probs(self.setup, self.engine, s, range(no_grad_from, len(s.batches)))
+        self.phases.old_log_probs(self.setup, self.engine, s, range(no_grad_from, len(s.batches)))
         # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
         s.add("train/old_pass_micro_batches", len(s.batches) - no_grad_from)
 
@@ -135,50 +124,38 @@ class PolicyActor:
         skipped = 0
         for mini in range(self.cfg.train.mini_batches):
             old_from_training = bypass or (first_from_training and mini == 0)
-            if not optimizer_step(self.setup, self.engine, s, mini, old_from_training):
+            if not self.phases.optimizer_step(self.setup, self.engine, s, mini, old_from_training):
                 skipped += 1
         self.version += 1
         # train/lr: the rate of the step's last optimizer step (the param groups already hold the next one's)
-        return step_result(s, world_size=self.world_size, skipped=skipped, lr=s.lr, seconds=time.time() - t0)
+        return self.phases.step_result(
+            s, world_size=self.world_size, skipped=skipped, lr=s.lr, seconds=time.time() - t0
+        )
 
     def forward_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
-        from entropy_openrlhf.actors.train_phases import response_log_probs  # actor-only imports (module docstring)
-
-        return response_log_probs(self.setup, self.engine, prompt_ids, response_ids)
+        return self.phases.response_log_probs(self.setup, self.engine, prompt_ids, response_ids)
 
     # ------------------------------------------------------------------ weights out
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named weights on CPU at rank 0 (every rank must call it: ZeRO-3 gathers the shards). The policy's
         own, whatever syncs them: the object-store sync, a restarted engine's reload and `save_hf` read them."""
-        import deepspeed  # actor-only imports (module docstring)
-
-        # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU
-        state = {}
-        for name, param in self.engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], enabled=self.cfg.actor.zero_stage == 3):
-                if self.rank == 0:
-                    state[name] = param.detach().to("cpu", copy=True)
-        return state if self.rank == 0 else None
+        return self.deepspeed.export_weights()
 
     def sync(self, method: str, op: str, *args: Any) -> Any:
         """Operation `op` of weight sync `method`'s side on this rank (sync/, e.g. collective.py's CollectiveSender:
         open, join, broadcast), built on the method's first call and kept: the driver's `WeightSync.on_policy`."""
         sender = self.senders.get(method)
         if sender is None:
-            here = PolicyRank(self.engine.module, self.rank, self.world_size, zero3=self.cfg.actor.zero_stage == 3)
-            sender = self.senders[method] = make_sender(method, here)
+            sender = self.senders[method] = make_sender(method, self.deepspeed.host)
         return sender.run(op, *args)
 
     def save_hf(self, path: str) -> None:
         """A complete HF folder, written by rank 0: the weights and config, plus the tokenizer (with its chat
         template) and generation config of the model the run started from, so vLLM and transformers load it with
         nothing else at hand (written here, on rank 0's node, which reads the model folder anyway)."""
-        state = self.export_weights()
-        if self.rank == 0:
-            self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
-            copy_tokenizer_and_generation_config(self.model_path, path)
+        self.deepspeed.save_hf(path, self.model_path)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -213,15 +190,3 @@ class PolicyActor:
     def device_report(self) -> tuple[str, bool]:
         """Where this rank runs and whether it sees a CUDA device there (the weight sync's backend follows it)."""
         return f"node {ray.util.get_node_ip_address()}", torch.cuda.is_available()
-
-
-def copy_tokenizer_and_generation_config(source: str, target: str) -> None:
-    """What `save_pretrained` of a model leaves out: the tokenizer files (chat template included) and the
-    generation config (eos ids, sampling defaults), taken from the model the run started from."""
-    from transformers import AutoTokenizer, GenerationConfig  # actor-only imports (module docstring)
-
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
-    try:
-        GenerationConfig.from_pretrained(source).save_pretrained(target)
-    except OSError:  # the source has none: save_pretrained already wrote one derived from the model config
-        pass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from entropy_openrlhf.cluster import wait_started
+from entropy_openrlhf.ray_waits import wait_started
 from entropy_openrlhf.samples import Sample
 from rewards import VerifierLoadError, load_verifier
 from rewards.loader import failed_result

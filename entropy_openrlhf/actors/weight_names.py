@@ -9,12 +9,19 @@ weight sync would fail deep inside vLLM's `load_weights`. The engine refuses the
 
 `exported_weight_names` builds the policy's model class on the meta device (no memory, no checkpoint read) for the
 names; `checkpoint_weight_names` reads the safetensors headers only.
+
+Engine-only: transformers reads its settings (HF_HUB_OFFLINE) when imported, so the engine imports this module in
+its own process after `set_cpu_defaults`, through engine_only.py; the driver never does (engine.py's docstring).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -33,11 +40,9 @@ def checkpoint_weight_names(model_path: str) -> set[str] | None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open  # a header read: no tensor is loaded
-
     names: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as s:
+        with safe_open(str(f), framework="pt") as s:  # a header read: no tensor is loaded
             names.update(s.keys())
     return names
 
@@ -45,10 +50,6 @@ def checkpoint_weight_names(model_path: str) -> set[str] | None:
 def exported_weight_names(model_path: str) -> list[str]:
     """The names PolicyActor.export_weights gives: `named_parameters()` of the model `AutoModelForCausalLM` builds
     from `model_path`'s config (tied weights once, under the name that owns them), in module order."""
-    # in the engine's process only: the driver imports this module through engine.py and needs neither
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):  # the module tree and names only: no memory, no checkpoint read
         model = AutoModelForCausalLM.from_config(config)

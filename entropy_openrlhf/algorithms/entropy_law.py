@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from scipy.optimize import OptimizeWarning, curve_fit
 
 
@@ -124,13 +126,10 @@ def _sorted_pairs(rows, source) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plot_fit(entropy: np.ndarray, perf: np.ndarray, law: EntropyLawFit, out_png: str | Path, title: str = "") -> None:
-    # matplotlib only for a plot (the fit and the readers need none), with the headless backend chosen before pyplot
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4))
+    # a Figure of its own, drawn by the Agg canvas: no pyplot, so no GUI backend and no global figure state
+    fig = Figure(figsize=(5, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     ax.scatter(entropy, perf, s=14, label="run")
     grid = np.linspace(0.0, max(float(np.max(entropy)), 1e-3) * 1.05, 200)
     ax.plot(grid, law.predict(grid), color="C1", label=f"R = -{law.a:.3g} exp(H) + {law.b:.3g}")
@@ -141,4 +140,3 @@ def plot_fit(entropy: np.ndarray, perf: np.ndarray, law: EntropyLawFit, out_png:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
-    plt.close(fig)

@@ -11,12 +11,12 @@ guard, the settings, `install()` and the setup hook. Users with their own launch
 in the process that builds the trainer, or pass `runtime_env(name, **params)` to their own `ray.init`.
 
 This module is imported by every Ray worker of such a job (the setup hook lives here), so it imports nothing heavy
-at module level: torch, OpenRLHF and the objectives are imported inside the functions that need them.
+at module level: OpenRLHF is imported once its version is checked (`check_openrlhf`), torch and the objectives with
+openrlhf_adapter.py on first use (`_adapter`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -28,6 +28,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType, SimpleNamespace
 from typing import Any
+
+from entropy_openrlhf.compat import ensure_flash_attn_importable
 
 SUPPORTED_OPENRLHF = "0.11.2"
 PPO_ACTOR = "openrlhf.trainer.ray.ppo_actor"
@@ -71,9 +73,8 @@ def check_openrlhf() -> ModuleType:
             f"OpenRLHF {version} is installed; the adapter was written for {SUPPORTED_OPENRLHF} "
             f"(pip install openrlhf=={SUPPORTED_OPENRLHF}, or see docs/guides/openrlhf.md on porting it)"
         )
-    from entropy_openrlhf.compat import ensure_flash_attn_importable
-
     ensure_flash_attn_importable()  # a no-op where flash-attn is installed; on CPU, OpenRLHF cannot import without it
+    # Local: OpenRLHF only once its version is checked and the flash-attn stand-in is in place (module docstring)
     import openrlhf.models.loss as loss_module
 
     ppo_actor = importlib.import_module(PPO_ACTOR)
@@ -107,37 +108,17 @@ def build_settings(
     name: str, params: Mapping[str, Any] | None = None, objectives: Mapping[str, Mapping[str, Any]] | None = None
 ) -> tuple[Any, SimpleNamespace]:
     """The objective's config instance and the settings of every objective (for the one its `within` points to),
-    validated; errors are ValueErrors in one line naming the flag."""
-    from entropy_openrlhf.algorithms.objectives import OBJECTIVES, unknown_objective, within_chain
+    validated; errors are ValueErrors in one line naming the flag (openrlhf_adapter.build_settings)."""
+    return _adapter().build_settings(name, params, objectives)
 
-    if name not in OBJECTIVES:
-        raise ValueError(f"--objective: {unknown_objective(name)}")
-    overrides = {key: dict(values) for key, values in (objectives or {}).items()}
-    overrides[name] = {**overrides.get(name, {}), **(params or {})}
-    settings = {}
-    for key, obj in OBJECTIVES.items():
-        given = overrides.pop(key, {})
-        fields = {f.name for f in dataclasses.fields(obj.config)}
-        for field in given:
-            if field not in fields:
-                flag = f"--objective.{field}" if key == name else f"--objective.{key}.{field}"
-                known = ", ".join(sorted(fields)) or "none"
-                raise ValueError(f"{flag}: objective {key!r} has no setting {field!r} (its settings: {known})")
-        settings[key] = obj.config(**given)
-    if overrides:
-        unknown = next(iter(overrides))
-        raise ValueError(f"--objective.{unknown}.*: no objective {unknown!r}; registered: {', '.join(OBJECTIVES)}")
-    loss_cfg = SimpleNamespace(type=name, **settings)
-    try:
-        chain = within_chain(name, loss_cfg)
-    except ValueError as e:
-        raise ValueError(f"--objective.within {e}") from None
-    for key in chain:
-        errors = OBJECTIVES[key].validate(getattr(loss_cfg, key), None)
-        if errors:
-            prefix = "--objective." if key == name else f"--objective.{key}."
-            raise ValueError("; ".join(e.replace(f"--loss.{key}.", prefix) for e in errors))
-    return getattr(loss_cfg, name), loss_cfg
+
+def _adapter() -> ModuleType:
+    """openrlhf_adapter.py, on first use: the objectives' settings and the class that stands in for PolicyLoss."""
+    # Local: it imports torch and the objectives, which this module, imported by every Ray worker of the job, must
+    # not load (module docstring)
+    from entropy_openrlhf.integrations import openrlhf_adapter
+
+    return openrlhf_adapter
 
 
 # --------------------------------------------------------------------------- install
@@ -163,15 +144,14 @@ def install(
     replaces the objective.
     """
     ppo_actor = check_openrlhf()
-    config, loss_cfg = build_settings(name, params, objectives)
-    from entropy_openrlhf.integrations.openrlhf_adapter import make_policy_loss, wrap_training_step
-
-    cls = make_policy_loss(name, config, loss_cfg, seed)
+    adapter = _adapter()
+    config, loss_cfg = adapter.build_settings(name, params, objectives)
+    cls = adapter.make_policy_loss(name, config, loss_cfg, seed)
     trainer = ppo_actor.ActorPPOTrainer
     _ORIGINALS.setdefault("PolicyLoss", ppo_actor.PolicyLoss)
     if not hasattr(trainer.training_step, "__entropy_openrlhf_wrapped__"):
         _ORIGINALS["training_step"] = trainer.training_step
-        trainer.training_step = wrap_training_step(trainer.training_step)
+        trainer.training_step = adapter.wrap_training_step(trainer.training_step)
     ppo_actor.PolicyLoss = cls
     return cls
 
@@ -281,8 +261,6 @@ def setup_worker() -> None:
     if not raw:
         return
     spec = json.loads(raw)
-    from entropy_openrlhf.compat import ensure_flash_attn_importable
-
     ensure_flash_attn_importable()  # no-op with flash-attn installed; lets OpenRLHF import on CPU workers
     if PPO_ACTOR in sys.modules:
         _install_spec(spec)

@@ -1,4 +1,5 @@
-"""The class that stands in for OpenRLHF 0.11.2's `PolicyLoss`, and the `training_step` wrapper that logs its metrics.
+"""The class that stands in for OpenRLHF 0.11.2's `PolicyLoss`, the `training_step` wrapper that logs its metrics,
+and the objective's settings they are built from (`build_settings`).
 
 `entropy_openrlhf.integrations.openrlhf.install()` builds these and patches them into
 `openrlhf.trainer.ray.ppo_actor`; this module only defines them (it imports torch, which the light entry module
@@ -20,16 +21,24 @@ What the adapter keeps from OpenRLHF, so that a run differs from OpenRLHF's own 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from entropy_openrlhf.algorithms.objectives import LossContext, objective_needs_entropy, run_objective
+from entropy_openrlhf.algorithms.objectives import (
+    OBJECTIVES,
+    LossContext,
+    objective_needs_entropy,
+    run_objective,
+    unknown_objective,
+    within_chain,
+)
 from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig, OffPolicyResult, correct
 
 # The objective's metric names, as our own trainer logs them (docs/guides/metrics.md): `loss/<name>`, and `cov/<stat>`
@@ -42,6 +51,41 @@ def metric_name(key: str) -> str:
     if "/" in key:
         return key
     return f"cov/{key[len(_COV_PREFIX) :]}" if key.startswith(_COV_PREFIX) else f"loss/{key}"
+
+
+def build_settings(
+    name: str, params: Mapping[str, Any] | None = None, objectives: Mapping[str, Mapping[str, Any]] | None = None
+) -> tuple[Any, SimpleNamespace]:
+    """The objective's config instance and the settings of every objective (for the one its `within` points to),
+    validated; errors are ValueErrors in one line naming the flag."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"--objective: {unknown_objective(name)}")
+    overrides = {key: dict(values) for key, values in (objectives or {}).items()}
+    overrides[name] = {**overrides.get(name, {}), **(params or {})}
+    settings = {}
+    for key, obj in OBJECTIVES.items():
+        given = overrides.pop(key, {})
+        fields = {f.name for f in dataclasses.fields(obj.config)}
+        for field in given:
+            if field not in fields:
+                flag = f"--objective.{field}" if key == name else f"--objective.{key}.{field}"
+                known = ", ".join(sorted(fields)) or "none"
+                raise ValueError(f"{flag}: objective {key!r} has no setting {field!r} (its settings: {known})")
+        settings[key] = obj.config(**given)
+    if overrides:
+        unknown = next(iter(overrides))
+        raise ValueError(f"--objective.{unknown}.*: no objective {unknown!r}; registered: {', '.join(OBJECTIVES)}")
+    loss_cfg = SimpleNamespace(type=name, **settings)
+    try:
+        chain = within_chain(name, loss_cfg)
+    except ValueError as e:
+        raise ValueError(f"--objective.within {e}") from None
+    for key in chain:
+        errors = OBJECTIVES[key].validate(getattr(loss_cfg, key), None)
+        if errors:
+            prefix = "--objective." if key == name else f"--objective.{key}."
+            raise ValueError("; ".join(e.replace(f"--loss.{key}.", prefix) for e in errors))
+    return getattr(loss_cfg, name), loss_cfg
 
 
 FLAG = "--algo.advantage.is_correction"  # OpenRLHF's flags: FLAG + "_level", "_mode", "_gating", "_threshold"

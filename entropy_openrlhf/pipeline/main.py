@@ -1,174 +1,35 @@
-"""Entry point shared by the pipelines in pipelines/: parse flags, check everything, start the groups, train.
-
-Everything that can be wrong with the input (flags, model folder, dataset rows, the verifier) is checked before
-any actor starts, and reported as one line naming the flag, file, row or field.
+"""Entry point shared by the pipelines in pipelines/: parse the flags, then hand the run to run.py.
 
 Ray, W&B, transformers and the modules that load them (the trainer, the actor groups, the preflight) are imported
-after the flags are parsed ("after-flags imports"): `--help` and a mistyped flag answer without them. Measured on a
-2-core machine: ~3.5 s of CPU and ~170 MB (transformers' tokenizer 2.6 s, W&B and Ray 0.4 s each), over twice the
-1.4 s of everything this module imports at the top (the config, with torch).
+after the flags are parsed ("after-flags imports"): this module imports the config alone, and run.py, which imports
+the rest at its top, once the flags are read (`_after_flags`). `--help` and a mistyped flag answer without them.
+Measured on a 2-core machine: ~3.5 s of CPU and ~170 MB (transformers' tokenizer 2.6 s, W&B and Ray 0.4 s each),
+over twice the 1.4 s of everything this module imports at the top (the config, with torch).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
+from types import ModuleType
 
-from entropy_openrlhf.config import Config, ConfigError, from_args, validate
-from entropy_openrlhf.data.arith_task import write_builtin_task
-from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
-from entropy_openrlhf.models.smollm2 import MODEL_NAME, ensure_smollm2
-from entropy_openrlhf.models.tiny import make_tiny_model
+from entropy_openrlhf.config import Config, from_args
 from entropy_openrlhf.presets import PIPELINES
-from rewards import VerifierLoadError, load_verifier
-
-T = TypeVar("T")
 
 
-def resolve_model(cfg: Config, shared: bool = False) -> str:
-    """The model folder. The built-in ones are made on the spot: `tiny` under the output folder, SmolLM2 in a cache
-    on this machine, or with `shared` (a multi-node cluster) under the output folder, which every node mounts."""
-    name = cfg.model.pretrain
-    if name == "tiny":
-        folder = Path(cfg.train.output_dir) / "tiny_model"
-        if not (folder / "config.json").exists():
-            make_tiny_model(folder, seed=cfg.train.seed)
-        return str(folder)
-    if not name:
-        return ensure_smollm2(str(Path(cfg.train.output_dir) / "models" / MODEL_NAME) if shared else None)
-    if not Path(name).is_dir():
-        raise ConfigError(f"--pretrain {name}: no such folder (models are not downloaded at run time)")
-    if not (Path(name) / "config.json").exists():
-        raise ConfigError(f"--pretrain {name}: the folder holds no HF model (no config.json)")
-    return name
+def _after_flags() -> ModuleType:
+    """run.py, the rest of the run, imported once the flags are parsed."""
+    # Local: run.py imports Ray, W&B and transformers, which --help and a mistyped flag must not wait for (module
+    # docstring)
+    from entropy_openrlhf.pipeline import run
 
-
-def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
-    """Paths of the training prompts and of the test sets (`--data.test` takes several, separated by commas). The
-    built-in task is written to the output folder when training data is needed but not given, or when neither is."""
-    train = cfg.data.train
-    tests = [p.strip() for p in cfg.data.test.split(",") if p.strip()]
-    if not train and (need_train or not tests):
-        train, builtin_test = write_builtin_task(
-            Path(cfg.train.output_dir) / "data", seed=cfg.train.seed, levels=cfg.data.levels()
-        )
-        tests = tests or [str(builtin_test)]
-        cfg.data.input_key, cfg.data.label_key = "prompt", "label"
-    for path in [train, *tests] if need_train else tests:
-        validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
-    return str(train), tests
+    return run
 
 
 def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
-    """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set. Without
-    `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys.
-    `shared_model`: write a built-in model where every node of a multi-node cluster can read it."""
-    from transformers import AutoTokenizer  # after-flags imports (module docstring)
-
-    validate(cfg)
-    load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
-    model_path = resolve_model(cfg, shared=shared_model)
-    train_path, test_paths = resolve_data(cfg, need_train)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    kw = dict(
-        tokenizer=tokenizer,
-        input_key=cfg.data.input_key,
-        label_key=cfg.data.label_key,
-        apply_chat_template=cfg.data.apply_chat_template,
-        system_prompt=cfg.data.system_prompt or None,
-    )
-    train_items = []
-    if need_train:
-        train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
-        check_prompt_lengths(train_path, train_items, tokenizer, cfg)
-    test_items = []
-    for path in test_paths:
-        items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)
-        check_prompt_lengths(path, items, tokenizer, cfg)
-        test_items += items
-    return model_path, train_items, test_items
-
-
-def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None:
-    """A prompt the engine would reject must fail now, naming its row, not minutes later inside vLLM."""
-    limit = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
-    if limit <= 0:
-        raise ConfigError(
-            f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
-            f"--rollout.max_model_len {cfg.rollout.max_model_len}"
-        )
-    # the engine tokenizes the templated text the same way: no special tokens added
-    lengths = [len(ids) for ids in tokenizer([it.prompt for it in items], add_special_tokens=False)["input_ids"]]
-    for item, n in zip(items, lengths):
-        if n > limit:
-            raise ConfigError(
-                f"{path}: row {item.index}: the prompt is {n} tokens, more than --rollout.max_model_len "
-                f"{cfg.rollout.max_model_len} minus --rollout.max_new_tokens {cfg.rollout.max_new_tokens}; "
-                "raise max_model_len or shorten the prompt"
-            )
-
-
-class StopRequested(BaseException):
-    """SIGTERM in the driver: what `ray job stop`, SLURM and Kubernetes send before they SIGKILL. A BaseException,
-    like KeyboardInterrupt, so no `except Exception` on the way swallows it."""
-
-
-def _stop_on_sigterm(signum: int, frame) -> None:
-    # Once stopping, further SIGTERMs are ignored: the driver is already doing what they ask (the sender's SIGKILL,
-    # after its grace period, remains the backstop).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise StopRequested(signal.Signals(signum).name)
-
-
-def resume_command(pipeline: str, argv: list[str]) -> str:
-    """The command that continues this run: the same flags, with `--train.resume true`."""
-    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else f"pipelines/{pipeline}.py"
-    args, skip = [], False
-    for arg in argv:
-        if skip or arg.startswith("--train.resume="):
-            skip = False
-            continue
-        if arg == "--train.resume":
-            skip = True  # and its value
-            continue
-        args.append(arg)
-    command = shlex.join(["python", script, *args, "--train.resume", "true"])
-    # a submitted job (Ray's job supervisor gives its driver the job's config in this variable): submit it again
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ or os.environ.get("RAY_JOB_ID"):
-        command = f"ray job submit <your options> -- {command}"
-    return command
-
-
-def resume_note(cfg: Config, pipeline: str, argv: list[str]) -> str:
-    """Where a resume continues from, and the command."""
-    from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint  # after-flags imports (module docstring)
-
-    ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
-    if ckpt is None:
-        where = "no complete checkpoint was saved (see --train.save_every): a resume starts again at step 0"
-    else:
-        done = int(ckpt.name.removeprefix("step"))
-        where = f"newest complete checkpoint: {ckpt} ({done} step{'s' if done != 1 else ''} done)"
-    return f"{where}. Resume with:\n  {resume_command(pipeline, argv)}"
-
-
-def _cleanup_step(what: str, step: Callable[[], T], stopping: str) -> T | None:
-    """One step of the driver's clean-up. When the run is being stopped, a failure is reported in one line and the
-    clean-up goes on, so that the stop's own message still comes; otherwise it is raised as usual."""
-    try:
-        return step()
-    except Exception as e:
-        if not stopping:
-            raise
-        print(f"warning: {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return None
+    """The input checks and loading of a run (run.prepare), for callers that import this module before their flags
+    are parsed, as scripts/evaluate.py does."""
+    return _after_flags().prepare(cfg, need_train, shared_model)
 
 
 def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: str = "") -> int:
@@ -179,91 +40,7 @@ def main(argv: list[str] | None = None, pipeline: str = "kl_cov", description: s
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    # after-flags imports (module docstring)
-    import ray
-
-    from entropy_openrlhf.cluster import init_ray, joins_cluster
-    from entropy_openrlhf.cluster_fit import check_nodes, cluster_snapshot, fit_cluster
-    from entropy_openrlhf.pipeline.checkpoints import resume_point
-    from entropy_openrlhf.pipeline.faults import NodeLostError
-    from entropy_openrlhf.pipeline.tracking import Tracker
-    from entropy_openrlhf.pipeline.trainer import Trainer, summarize
-
-    if not cfg.logger.run_name:
-        cfg.logger.run_name = f"{pipeline}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # Relative to the job's working directory, which on a cluster is a private copy on each node: made absolute
-    # here, and checked below to be the same folder on every node that writes to it.
-    cfg.train.output_dir = os.path.abspath(cfg.train.output_dir)
-    joining, started = joins_cluster(), False
-    try:
-        if joining:  # connecting starts no actor; the node count decides where a built-in model is written
-            init_ray()
-        multi_node = joining and sum(1 for n in ray.nodes() if n.get("Alive")) > 1
-        model_path, train_items, test_items = prepare(cfg, shared_model=multi_node)
-        started = init_ray(cfg.ray.num_cpus)
-        note = fit_cluster(cfg, *cluster_snapshot())
-        if note:
-            print(f"[entropy-openrlhf] {note}", flush=True)
-        check_nodes(cfg, model_path)
-        if cfg.train.resume:
-            resume_point(cfg, len(train_items))  # a checkpoint this run cannot continue fails before any actor
-    except (ConfigError, DatasetError, VerifierLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        if started:
-            ray.shutdown()
-        return 2
-
-    tracker = Tracker(cfg.logger.wandb_project, cfg.logger.run_name, cfg.flatten(), cfg.train.output_dir)
-    print(
-        f"[entropy-openrlhf] {pipeline}: model {model_path}, {len(train_items)} train / {len(test_items)} test "
-        f"prompts, W&B run {tracker.run_dir}",
-        flush=True,
-    )
-    trainer = Trainer(cfg, model_path, train_items, test_items)
-    # After init_ray: ray.init installs its own SIGTERM handler (sys.exit), which stops without saying how to resume.
-    # From here a SIGTERM raises StopRequested in this thread, wherever it waits, and the groups are shut down below
-    # (before, it ends the driver, which has no actor yet).
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm) if on_main_thread else None
-    code, stopped = 0, ""
-    try:
-        trainer.start_groups(local=started)
-        start_step = trainer.resume() if cfg.train.resume else 0
-        history = trainer.run(tracker, start_step=start_step)
-        final = Path(cfg.train.output_dir) / "final"
-        trainer.policy.call_all("save_hf", str(final))  # weights, config, tokenizer and generation config
-        if history:  # empty when resuming a run whose last checkpoint is its final step
-            print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
-        print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
-        print(f"[entropy-openrlhf] final model: {final}; W&B run: {tracker.run_dir}", flush=True)
-    except NodeLostError as e:
-        code, stopped = 1, f"error: {e}"
-    except (StopRequested, KeyboardInterrupt) as e:
-        name = "SIGTERM" if isinstance(e, StopRequested) else "SIGINT"
-        when = f"during step {trainer.step_in_progress}" if hasattr(trainer, "step_in_progress") else "at start-up"
-        code = 143 if isinstance(e, StopRequested) else 130  # 128 + the signal's number, as a shell reports it
-        stopped = f"[entropy-openrlhf] stopped by {name} {when}"
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now would cut the clean-up short
-        t0 = time.monotonic()
-        trainer.shutdown_groups()
-        discarded = _cleanup_step("removing an unfinished save", trainer.discard_unfinished_save, stopped)
-        # `ray job stop` and SLURM signal the driver's children too: W&B's service process may be gone already
-        _cleanup_step("finishing the W&B run", tracker.finish, stopped)
-        if started:
-            ray.shutdown()
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-    if stopped:  # the last lines the user sees: what stopped the run, what is kept, how to go on
-        cleanup = f"Actors shut down in {time.monotonic() - t0:.0f} s"
-        if discarded is not None:
-            cleanup += f"; the save it was in ({discarded.name}) was removed unfinished"
-        print(f"{stopped}. {cleanup}; {resume_note(cfg, pipeline, argv)}", file=sys.stderr, flush=True)
-        if code == 1:
-            print("(resume once the node is back, or once the cluster again has the resources those actors asked for)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    return code
+    return _after_flags().run(cfg, pipeline, argv)
 
 
 def pipeline_main(pipeline: str, doc: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ray
 
-from entropy_openrlhf.cluster import wait_started
+from entropy_openrlhf.ray_waits import wait_started
 
 
 def actor_node_ids(groups: dict[str, list], timeout_s: float = 60.0) -> dict[str, list[str]]:

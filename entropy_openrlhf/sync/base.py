@@ -15,26 +15,26 @@ Each method lives in its own file with both of its ends: object_store.py (chunks
 collective.py (a broadcast group). A method that runs code of its own on the policy's ranks says so with a
 `RankSender` subclass (its `sender`): every policy rank hosts one per method and runs its operations when the driver
 asks (`WeightSync.on_policy`, through `PolicyActor.sync`), as receiver.py is the engines' side of both methods.
-group.py is the broadcast group's transport, chunks.py the object store's wire format.
-Ray is imported inside the functions that call it: the config imports this package (through factory.py) for the
-methods' names, and scripts/gpu_check.py loads the config on GPU machines without Ray.
+group.py is the broadcast group's transport, chunks.py the object store's wire format. factory.py names the methods
+(`SYNC_METHODS`) and imports a method's module only where a run builds it: the config, which reads the names, loads
+no Ray (scripts/gpu_check.py loads it on GPU machines without Ray).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
+import ray
 import torch
 
 from entropy_openrlhf.sync.chunks import DEFAULT_MAX_CHUNK_MB
-
-if TYPE_CHECKING:  # annotations only
-    import ray
 
 # What the sync uses of the actor groups it drives, so that it sits below them (actors/rollout.py, actors/policy.py
 # are what a run passes in; tests pass stand-ins).
@@ -81,6 +81,11 @@ class Policy(Protocol):
     ) -> list: ...
 
 
+def held_whole(param: torch.nn.Parameter) -> AbstractContextManager[Any]:
+    """`PolicyRank.gathered` without ZeRO-3: every rank holds each parameter whole, there is nothing to gather."""
+    return contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class PolicyRank:
     """What a sender knows of the policy rank that hosts it (PolicyActor builds it)."""
@@ -89,6 +94,14 @@ class PolicyRank:
     rank: int
     world_size: int
     zero3: bool  # ZeRO-3 partitions every parameter: every rank takes part in gathering each one
+    # `with gathered(param):` holds the whole of `param` on this rank. Under ZeRO-3 every rank must enter it for each
+    # parameter in the same order: DeepSpeed's GatheredParameters, which the rank passes in (a sender's module is
+    # imported by the driver too, which must not load DeepSpeed)
+    gathered: Callable[[torch.nn.Parameter], AbstractContextManager[Any]] = held_whole
+
+    def __post_init__(self) -> None:
+        if self.zero3 and self.gathered is held_whole:
+            raise ValueError("a ZeRO-3 policy rank must pass its gather (DeepSpeed's GatheredParameters) as `gathered`")
 
 
 class RankSender:
@@ -114,22 +127,9 @@ class WeightSyncTimeoutError(TimeoutError):
     """An engine did not finish loading new weights in time (hung, busy on a long call, or starved of CPU)."""
 
 
-SYNC_METHODS: dict[str, type[WeightSync]] = {}
-
-
-def register_sync_method(cls: type[WeightSync]) -> type[WeightSync]:
-    """Class decorator: `--sync.method <cls.method>` builds `cls` (factory.py finds every module of this package)."""
-    if cls.method in SYNC_METHODS or cls.method == "auto":
-        raise ValueError(f"weight sync method {cls.method!r} is registered twice (or is 'auto', which is reserved)")
-    SYNC_METHODS[cls.method] = cls
-    return cls
-
-
 def wait_for_sync(engine_refs: list, policy_refs: list, what: str, timeout_s: float) -> None:
     """Wait for both sides of a sync. An error on either side is raised at once (its peer would only wait for it
     until the timeout); a side still running after `timeout_s` raises WeightSyncTimeoutError naming it."""
-    import ray  # imported where used (module docstring)
-
     deadline = time.time() + timeout_s
     pending = list(engine_refs) + list(policy_refs)
     while pending:
@@ -156,7 +156,7 @@ class WeightSync(ABC):
     group as the group's way back for restarted engines (`engine_back`): the newest sync built for a group is its
     sync. `max_chunk_mb`: the chunks a restarted engine is reloaded through, whatever the method (object_store.py)."""
 
-    method: ClassVar[str]  # its --sync.method name
+    method: ClassVar[str]  # its --sync.method name (its key in factory.py's SYNC_METHODS)
     sender: ClassVar[type[RankSender] | None] = None  # its side on the policy ranks, if it runs code there
 
     def __init__(

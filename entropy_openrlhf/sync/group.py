@@ -96,9 +96,8 @@ class SyncEndpoint:
 
 def _vllm_nccl() -> tuple[Any, Any]:
     """vLLM's StatelessProcessGroup and PyNcclCommunicator (GPU only; a function so that tests can stand in)."""
-    # here, not at the top: the driver and the policy ranks import this module, and only an NCCL group needs vLLM
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+    # Local: GPU only. The driver and CPU policy ranks import this module and must not load vLLM (vllm_nccl.py)
+    from entropy_openrlhf.sync.vllm_nccl import PyNcclCommunicator, StatelessProcessGroup
 
     return StatelessProcessGroup, PyNcclCommunicator
 

@@ -11,8 +11,6 @@ drops its prefix cache, whose KV entries came from the old weights. Each sync is
 The chunks of the last sync are kept (as object refs) so that an engine Ray restarts from the initial model can be
 given them again. The collective sync, which keeps no copy, reloads a restarted engine through `put_chunks` and
 `load_into_engine` too.
-Ray is imported inside the functions that call it: the config imports this package (through factory.py) for the
-methods' names, and scripts/gpu_check.py loads the config on GPU machines without Ray.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
+import ray
 import torch
 
 from entropy_openrlhf.sync.base import (
@@ -29,13 +27,9 @@ from entropy_openrlhf.sync.base import (
     Policy,
     WeightSync,
     WeightSyncTimeoutError,
-    register_sync_method,
     wait_for_sync,
 )
 from entropy_openrlhf.sync.chunks import MB, make_chunks
-
-if TYPE_CHECKING:  # annotations only
-    import ray
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +37,6 @@ log = logging.getLogger(__name__)
 def put_chunks(state_dict: dict[str, torch.Tensor], max_chunk_mb: float) -> tuple[list[ray.ObjectRef], dict[str, int]]:
     """The state in Ray's object store as bounded chunks (chunks.py), one object each; and how it was cut (chunks,
     tensors, split tensors)."""
-    import ray  # imported where used (module docstring)
-
     chunks = make_chunks(state_dict, max(1, int(max_chunk_mb * MB)))
     split = {p.name for chunk in chunks for p in chunk if p.start is not None}
     stats = {"chunks": len(chunks), "tensors": len(state_dict), "split_tensors": len(split)}
@@ -74,8 +66,6 @@ def export_chunks(policy: Policy, max_chunk_mb: float, timeout_s: float) -> list
 
 def load_into_engine(rollout: Engines, i: int, refs: list[ray.ObjectRef], why: str, timeout_s: float) -> None:
     """Load the chunks `refs` (policy version `rollout.version`) into engine `i` alone, within `timeout_s`."""
-    import ray  # imported where used (module docstring)
-
     try:
         ray.get(rollout.actors[i].update_weights.remote(refs, rollout.version), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -85,7 +75,6 @@ def load_into_engine(rollout: Engines, i: int, refs: list[ray.ObjectRef], why: s
         ) from None
 
 
-@register_sync_method
 class ObjectStoreSync(WeightSync):
     """`policy` may be None where weights come from elsewhere (`update_weights` with a state dict: tests,
     benchmarks)."""
@@ -121,8 +110,6 @@ class ObjectStoreSync(WeightSync):
         Raises WeightSyncTimeoutError naming the engines that had not finished after the sync's timeout. Those
         engines may still load the weights later: the caller should treat the engines' weights as unknown (abort or
         resync). An engine that dies meanwhile gets the weights once Ray has restarted it."""
-        import ray  # imported where used (module docstring)
-
         t0 = time.time()
         refs, self.last_chunking = put_chunks(state_dict, self.max_chunk_mb)
         calls = [actor.update_weights.remote(refs, version) for actor in self.rollout.actors]
@@ -136,8 +123,6 @@ class ObjectStoreSync(WeightSync):
     def _after_engine_death(self, calls: list, refs: list, version: int, deadline: float) -> None:
         """An engine died during a sync: the others must still finish in time, and the dead ones get the new
         weights once Ray has restarted them."""
-        import ray  # imported where used (module docstring)
-
         dead, stalled = [], []
         for i, call in enumerate(calls):
             try:

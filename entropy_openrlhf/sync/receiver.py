@@ -15,6 +15,9 @@ at the end of the call, a layer that got only part of its weights (a fused qkv_p
 k, v in the next) is processed with the rest uninitialised, and a layer that got none keeps its old tensors. A
 reload per chunk would therefore load garbage wherever a layer straddles two chunks, so the chunks are staged on
 the worker (CPU memory, one copy of the weights, as the unchunked path held) and reloaded in one call.
+
+Only vLLM's workers import this module (by its name, `WORKER_EXTENSION` in actors/engine.py), so it imports vLLM at
+its top; the filter of vLLM's reload log that it installs is in reload_log.py, which tests read without vLLM.
 """
 
 from __future__ import annotations
@@ -23,55 +26,11 @@ import logging
 from collections.abc import Iterator
 
 import torch
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
 from entropy_openrlhf.sync.chunks import Chunk, ChunkAssembler, IncompleteWeightsError, deserialize_chunk
 from entropy_openrlhf.sync.group import WeightSyncError, WeightSyncGroup
-
-# vLLM's layerwise reload (model_loader/reload/layerwise.py) logs "<layer class>: Failed to load weights" for every
-# layer that has loadable tensors but received none in a reload, and then puts the layer's previous tensors back.
-LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-FAILED_TO_LOAD = "%s: Failed to load weights"
-
-
-def checkpointless_layers(model: torch.nn.Module) -> set[str]:
-    """Class names of the layers a trainer's state dict never has weights for, so that vLLM's "Failed to load
-    weights" about them says nothing a user should act on:
-
-    - layers whose only tensors are non-persistent buffers (RotaryEmbedding's cos_sin_cache): computed from the
-      config at start-up, never in a checkpoint, never changed by training; vLLM puts the same tensor back;
-    - a tied lm_head: its weight is the embedding's, which the reload loads under the embedding's name
-      (`_reload_named_weights` then redoes its CPU repack).
-
-    A layer with a parameter of its own is never listed: a real failure to load it stays in the log."""
-    names = set()
-    for module in model.modules():
-        buffers = [n for n, b in module._buffers.items() if b is not None]
-        own_params = [p for p in module._parameters.values() if p is not None]
-        if buffers and not own_params and set(buffers) <= set(module._non_persistent_buffers_set):
-            names.add(type(module).__name__)
-    lm_head = getattr(model, "lm_head", None)
-    weight = getattr(lm_head, "weight", None)
-    if weight is not None and any(m is not lm_head and getattr(m, "weight", None) is weight for m in model.modules()):
-        names.add(type(lm_head).__name__)
-    return names
-
-
-class KnownUnloadedFilter(logging.Filter):
-    """Drops vLLM's "Failed to load weights" for `names` (see checkpointless_layers); counts what it drops and the
-    same message about any other layer, which it lets through."""
-
-    def __init__(self, names: set[str]):
-        super().__init__()
-        self.names, self.dropped, self.passed = set(names), 0, 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != FAILED_TO_LOAD or not record.args:
-            return True
-        if record.args[0] in self.names:
-            self.dropped += 1
-            return False
-        self.passed += 1
-        return True
+from entropy_openrlhf.sync.reload_log import LAYERWISE_LOGGER, KnownUnloadedFilter, checkpointless_layers
 
 
 class WeightSyncExtension:
@@ -152,10 +111,6 @@ class WeightSyncExtension:
             # A load cut short (a broadcast whose peer died) leaves layers half-loaded, their loaders wrapped and
             # their buffers partly filled, which the next reload would mix with its own tensors. vLLM's finalize
             # ends that state; the weights stay wrong until the next full reload (the engine's version says so).
-            # vLLM's internals, for this failure path only: at the top they would load vLLM (~7 s of CPU, ~350 MB)
-            # into every importer of this module that is not a vLLM worker (tests/unit/test_reload_log.py)
-            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
             try:
                 finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
             except Exception:  # noqa: BLE001 - the load's own error is the one to report

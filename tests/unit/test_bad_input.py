@@ -28,11 +28,13 @@ def no_ray(monkeypatch):
     import ray
 
     import entropy_openrlhf.cluster
+    import entropy_openrlhf.pipeline.run
 
     def refuse(*args, **kwargs):
         raise AssertionError("Ray was started for a run whose input is bad")
 
     monkeypatch.setattr(entropy_openrlhf.cluster, "init_ray", refuse)
+    monkeypatch.setattr(entropy_openrlhf.pipeline.run, "init_ray", refuse)  # the run's own name for it
     monkeypatch.setattr(ray, "init", refuse)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from entropy_openrlhf.config import Config, ConfigError, build_parser, from_args, validate
-from entropy_openrlhf.pipeline.main import resolve_data
+from entropy_openrlhf.pipeline.run import resolve_data
 from entropy_openrlhf.presets import PIPELINES, PRESETS
 
 

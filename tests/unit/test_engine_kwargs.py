@@ -47,10 +47,10 @@ class FakeLLM:
 
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_the_engine_passes_the_flags_into_llm(monkeypatch, on_gpu):
-    import vllm
+    from entropy_openrlhf.actors import engine_only  # what the engine imports in its constructor: vLLM's LLM
 
     FakeLLM.calls = []
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(engine_only, "LLM", FakeLLM)
     monkeypatch.setattr(engine, "has_cuda", lambda: on_gpu)
     monkeypatch.setattr(engine, "set_cpu_defaults", lambda: None)  # leaves this process's environment alone
     rollout.RolloutEngine("/m", dtype="float32", enforce_eager="auto", max_num_seqs=96, enable_prefix_caching=False)

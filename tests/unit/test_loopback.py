@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from entropy_openrlhf import cluster
-from entropy_openrlhf.rendezvous import connect_store, serve_store
+from entropy_openrlhf.rendezvous import connect_store, deepspeed_pg_timeout, serve_store
 
 Addr = namedtuple("Addr", "ip port")
 Conn = namedtuple("Conn", "fd family type laddr raddr status pid")
@@ -39,6 +39,13 @@ def test_a_taken_rendezvous_port_names_eaddrinuse():
         held.listen()
         with pytest.raises(OSError, match="EADDRINUSE"):
             serve_store("127.0.0.1", held.getsockname()[1], 1, timeout_s=5)
+
+
+def test_collectives_keep_deepspeeds_default_timeout():
+    """init_default_group computes DeepSpeed's default timeout instead of importing DeepSpeed: the two agree."""
+    from deepspeed.constants import default_pg_timeout
+
+    assert deepspeed_pg_timeout() == default_pg_timeout
 
 
 @pytest.mark.parametrize(

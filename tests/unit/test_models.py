@@ -2,7 +2,7 @@
 
 import json
 
-from entropy_openrlhf.models import model_folder
+from entropy_openrlhf.models.builtin import model_folder
 
 
 def test_tiny_is_written_into_the_scratch_folder(tmp_path):

@@ -195,7 +195,7 @@ def run_step(tiny: str, cfg, samples, monkeypatch, steps: int = 1):
     engine = Engine(model)
     actor = object.__new__(PolicyActor.__ray_metadata__.modified_class)
     actor.cfg, actor.world_size, actor.version, actor.dropout_free = cfg, 1, 0, True
-    actor.setup, actor.engine = RankSetup(cfg, 0, 1, pad_id=0), engine
+    actor.setup, actor.engine, actor.phases = RankSetup(cfg, 0, 1, pad_id=0), engine, train_phases
     calls = []
     real = train_phases.run_objective
 

@@ -1,11 +1,11 @@
-"""Which of vLLM's "Failed to load weights" messages a weight sync drops (sync/receiver.KnownUnloadedFilter), on
+"""Which of vLLM's "Failed to load weights" messages a weight sync drops (sync/reload_log.KnownUnloadedFilter), on
 stand-in modules shaped like vLLM's (the real engine is checked in tests/integration/test_weight_sync.py)."""
 
 import logging
 
 import torch
 
-from entropy_openrlhf.sync.receiver import (
+from entropy_openrlhf.sync.reload_log import (
     FAILED_TO_LOAD,
     LAYERWISE_LOGGER,
     KnownUnloadedFilter,

@@ -14,7 +14,7 @@ from entropy_openrlhf.cluster import LostNode, lost_nodes
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint
 from entropy_openrlhf.pipeline.faults import NodeLostError
-from entropy_openrlhf.pipeline.main import StopRequested, resume_command
+from entropy_openrlhf.pipeline.run import StopRequested, resume_command
 from entropy_openrlhf.pipeline.trainer import Trainer
 
 

@@ -14,7 +14,7 @@ import torch
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.sync.base import PolicyRank
 from entropy_openrlhf.sync.collective import CollectiveSender, CollectiveSync
-from entropy_openrlhf.sync.factory import make_sender, make_weight_sync, resolve_method
+from entropy_openrlhf.sync.factory import SYNC_METHODS, make_sender, make_weight_sync, method_class, resolve_method
 from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
 
@@ -57,6 +57,27 @@ def test_the_factory_builds_the_method_with_the_run_s_settings_and_attaches_it(m
     assert (sync.timeout_s, sync.max_chunk_mb) == (42.0, 0.5)
     assert engines.weight_sync is sync and sync.policy is policy  # restarted engines come back through it
     assert policy.exports == 0  # building it moves nothing
+
+
+def test_the_config_names_the_methods_without_loading_them_or_ray():
+    """scripts/gpu_check.py reads the config where Ray cannot be imported: SYNC_METHODS names each method's class as a
+    string, imported only where a run builds the sync."""
+    check = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from entropy_openrlhf.config import from_args, validate\n"
+        "cfg = from_args(['--sync.method', 'object_store']); validate(cfg)\n"
+        "assert not [m for m in sys.modules if m.startswith(('entropy_openrlhf.sync.collective',\n"
+        "    'entropy_openrlhf.sync.object_store', 'entropy_openrlhf.sync.base'))], sorted(sys.modules)\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_a_method_whose_class_says_another_name_is_refused(monkeypatch):
+    monkeypatch.setitem(SYNC_METHODS, "broadcast", "entropy_openrlhf.sync.collective:CollectiveSync")
+    with pytest.raises(ValueError, match="gives --sync.method 'broadcast' to .*CollectiveSync, whose `method` is"):
+        method_class("broadcast")
 
 
 def test_a_policy_rank_gets_the_sender_of_the_method_the_driver_names():
@@ -116,16 +137,22 @@ def test_a_restarted_engine_without_a_copy_or_a_policy_is_a_clear_error():
         sync.engine_back(0, "restarted", engine_version=0, restarted=True, reload=True)
 
 
-def test_a_new_sync_method_is_one_file_as_the_readme_shows(tmp_path):
-    """docs/guides/extending.md's example, dropped into a copy of the package's sync folder, becomes --sync.method
-    eager_object_store; the factory builds it from the run's flags and it loads at publish time."""
+def test_a_new_sync_method_is_one_file_and_its_line_as_the_guide_shows(tmp_path):
+    """docs/guides/extending.md's example, dropped into a copy of the package's sync folder with its line in
+    SYNC_METHODS, becomes --sync.method eager_object_store; the factory builds it from the run's flags and it loads
+    at publish time."""
     root = Path(__file__).resolve().parents[2]
     readme = (root / "docs" / "guides" / "extending.md").read_text()
     code = re.search(r"```python\n(# entropy_openrlhf/sync/eager_object_store\.py\n.*?)```", readme, re.S)
-    assert code, "docs/guides/extending.md's 'Add a weight sync method' example is missing"
+    line = re.search(r"```python\n# entropy_openrlhf/sync/factory\.py, in SYNC_METHODS\n(.*?)```", readme, re.S)
+    assert code and line, "docs/guides/extending.md's 'Add a weight sync method' example is missing"
     package = tmp_path / "entropy_openrlhf"
     shutil.copytree(root / "entropy_openrlhf", package, ignore=shutil.ignore_patterns("__pycache__"))
     (package / "sync" / "eager_object_store.py").write_text(code.group(1))
+    factory = package / "sync" / "factory.py"
+    table = "SYNC_METHODS: dict[str, str] = {\n"
+    assert table in factory.read_text()
+    factory.write_text(factory.read_text().replace(table, table + line.group(1)))
     check = """
 from entropy_openrlhf.config import from_args, validate
 from entropy_openrlhf.sync.factory import make_weight_sync
