@@ -71,7 +71,7 @@ def group_needs(cfg: Config) -> list[GroupNeed]:
             reads_model=False, writes_output=False,
         ),
     ]  # fmt: skip
-    if cfg.uses_reference:
+    if cfg.starts_reference_group:
         groups.append(
             GroupNeed(
                 "reference", ref.num_workers, {"CPU": ref.num_cpus, "GPU": reference_gpus(cfg), **ref.custom_resources},

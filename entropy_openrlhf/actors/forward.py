@@ -7,6 +7,7 @@ length R sit at positions P-1 .. P+R-2, which `mask` marks. All per-token inputs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,3 +148,32 @@ def _packed_log_probs(
         values = token_entropy_with_grad(wide) if entropy_grad else token_entropy(picked)
         entropy[valid] = values.to(entropy.dtype)
     return log_probs, entropy
+
+
+def log_probs_by_micro_batch(
+    model,
+    make_batch: Callable[[list[list[int]], list[list[int]]], SeqBatch],
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    sizes: list[int],
+    *,
+    temperature: float,
+    pad_id: int,
+) -> list[list[float]]:
+    """A forward-only pass (the reference's): one list of per-token log-probs per response, in order, from
+    micro-batches of `sizes` sequences. A size of 0 is a stand-in forward of one pad token, run because under
+    ZeRO-3 the other ranks' forwards gather parameters with this rank too, so every rank must run as many."""
+    if sum(sizes) != len(prompt_ids):
+        raise ValueError(f"micro-batches {sizes} for {len(prompt_ids)} sequences")
+    out: list[list[float]] = []
+    start = 0
+    with torch.no_grad():
+        for n in sizes:
+            if n == 0:
+                forward_log_probs(model, make_batch([[pad_id]], [[pad_id]]))
+                continue
+            b = make_batch(prompt_ids[start : start + n], response_ids[start : start + n])
+            lp, _ = forward_log_probs(model, b, temperature=temperature)
+            out += [lp[j][b.mask[j].bool()].float().tolist() for j in range(lp.shape[0])]
+            start += n
+    return out

@@ -138,6 +138,15 @@ def layout_for(
     return fixed_layout(len(lengths), n_mini, n_ranks, micro_batch_size)
 
 
+def fixed_sizes(n: int, micro_batch_size: int, forwards: int | None = None) -> list[int]:
+    """`n` sequences in micro-batches of `micro_batch_size` (the last may be shorter), padded with stand-ins (0) up
+    to `forwards` micro-batches when given."""
+    sizes = [min(micro_batch_size, n - i) for i in range(0, n, micro_batch_size)]
+    if forwards is not None and len(sizes) > forwards:
+        raise ValueError(f"{n} sequences make {len(sizes)} micro-batches of {micro_batch_size}, over {forwards}")
+    return sizes + [0] * ((forwards or len(sizes)) - len(sizes))
+
+
 def forward_batches(lengths: Sequence[int], n_ranks: int, max_tokens: int) -> list[list[list[int]]]:
     """A forward-only pass (the reference's): `lengths` in micro-batches of at most `max_tokens` tokens (a longer
     sequence alone), dealt over `n_ranks` ranks with the tokens balanced, every rank with the same number of

@@ -59,5 +59,5 @@ class PolicyGroup(ActorGroup):
             ([samples[i] for i in layout.order(r)], step, strength_scale, entropy_coef, layout.sizes(r))
             for r in range(len(self.actors))
         ]
-        # no deadline: a step's length grows with the model and the batch, and nothing bounds it
-        return merge_ranks(self.call_each("train_step", calls))
+        results = self.call_each("train_step", calls, timeout_s=cfg.train.step_timeout_s, what="--train.step_timeout_s")
+        return merge_ranks(results)

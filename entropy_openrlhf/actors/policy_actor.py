@@ -26,9 +26,10 @@ import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
+from entropy_openrlhf.actors.micro_batches import fixed_sizes
 from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.cluster import set_cpu_defaults
-from entropy_openrlhf.config import Config
+from entropy_openrlhf.config import Config, reference_micro_batch_size
 from entropy_openrlhf.sync.base import RankSender
 from entropy_openrlhf.sync.factory import make_sender
 
@@ -136,6 +137,19 @@ class PolicyActor:
         """The trainer's log-probs of given responses (for the trainer-vs-vLLM check after a weight sync)."""
         return self.phases.response_log_probs(self.setup, self.engine, prompt_ids, response_ids)
 
+    def reference_log_probs(
+        self,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        forwards: int | None = None,
+        sizes: list[int] | None = None,
+    ) -> list[list[float]]:
+        """LoRA's reference (reference.AdapterOffReference): the base model's log-probs, the adapter switched off,
+        dealt and padded with stand-ins as a reference rank's (ReferenceActor.log_probs)."""
+        if sizes is None:
+            sizes = fixed_sizes(len(prompt_ids), reference_micro_batch_size(self.cfg), forwards)
+        return self.phases.reference_log_probs(self.setup, self.engine, prompt_ids, response_ids, sizes)
+
     # ------------------------------------------------------------------ weights out
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
@@ -160,7 +174,9 @@ class PolicyActor:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str, tag: str) -> None:
-        self.engine.save_checkpoint(path, tag=tag)
+        # LoRA: the frozen base is the model the run started from; the checkpoint holds the adapters and their
+        # optimizer state
+        self.engine.save_checkpoint(path, tag=tag, exclude_frozen_parameters=self.cfg.actor.lora_rank > 0)
         # dropout draws from the global generators: keep this rank's, so a resumed run draws what this one would
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -169,7 +185,11 @@ class PolicyActor:
 
     def load_checkpoint(self, path: str, tag: str) -> None:
         # DeepSpeed meets a missing checkpoint with a bare assert, or a log line and no load at all
-        if not os.path.isdir(os.path.join(path, tag)) or self.engine.load_checkpoint(path, tag=tag)[0] is None:
+        # LoRA: the frozen base is not in the checkpoint (save_checkpoint), so its parameters may be missing
+        strict = self.cfg.actor.lora_rank == 0
+        if not os.path.isdir(os.path.join(path, tag)) or (
+            self.engine.load_checkpoint(path, tag=tag, load_module_strict=strict)[0] is None
+        ):
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {path}")
         rng_file = os.path.join(path, tag, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):  # absent in checkpoints written before the RNG was saved

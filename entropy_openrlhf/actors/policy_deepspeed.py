@@ -8,10 +8,13 @@ ranks, never does (policy_actor.py's docstring).
 
 from __future__ import annotations
 
+import os
+
 import deepspeed
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from entropy_openrlhf.actors import lora
 from entropy_openrlhf.actors.policy_engine import build_policy_engine
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.rendezvous import init_default_group
@@ -33,31 +36,48 @@ class DeepSpeedPolicy:
         # the model, AdamW, the learning-rate schedule and the engine: the same code scripts/gpu_check.py steps
         self.built = build_policy_engine(cfg, model_path, world_size)
         zero3 = cfg.actor.zero_stage == 3
+        module = self.built.engine.module
+        self.lora = cfg.actor.lora_rank > 0
+        gather_all = lambda params: deepspeed.zero.GatheredParameters(params, enabled=zero3)  # noqa: E731
         self.host = PolicyRank(
-            self.built.engine.module,
+            module,
             rank,
             world_size,
             zero3=zero3,
-            gathered=lambda param: deepspeed.zero.GatheredParameters([param], enabled=zero3),
+            gathered=lambda param: gather_all([param]),
+            # LoRA: the engines serve the base weights with the adapters' update merged (lora.py)
+            named_weights=(lambda: lora.named_weights(module, gather_all)) if self.lora else None,
+            weight_params=(lambda: lora.weight_params(module)) if self.lora else None,
         )
+        self.gather_all = gather_all
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named weights on CPU at rank 0, None elsewhere (every rank must call it: ZeRO-3 gathers the
         shards)."""
-        # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU
+        # one parameter at a time: gathering a 32B model's shards at once would not fit on one GPU; under LoRA each
+        # base weight with its adapter's update merged
         state = {}
-        for name, param in self.host.module.named_parameters():
-            with self.host.gathered(param):
-                if self.host.rank == 0:
-                    state[name] = param.detach().to("cpu", copy=True)
+        for name, tensor in self.host.weights():
+            if self.host.rank == 0:
+                state[name] = tensor.detach().to("cpu", copy=True)
         return state if self.host.rank == 0 else None
 
     def save_hf(self, path: str, source: str) -> None:
-        """Every rank: a complete HF folder at `path`, written by rank 0 (`source`: the model the run started from)."""
+        """Every rank: a complete HF folder at `path`, written by rank 0 (`source`: the model the run started from).
+        Under LoRA the folder holds the merged model, and `path`/adapter the adapter alone as peft saves it (its
+        `base_model_name_or_path` is the model the run started from)."""
         state = self.export_weights()
         if self.host.rank == 0:
-            self.host.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+            model = self.host.module.get_base_model() if self.lora else self.host.module
+            model.save_pretrained(path, state_dict=state, safe_serialization=True)
             copy_tokenizer_and_generation_config(source, path)
+        if self.lora:
+            module = self.host.module
+            module.peft_config[lora.ADAPTER].base_model_name_or_path = source
+            # the adapter's parameters gathered at once (they are small), saved by peft from the module
+            with self.gather_all([p for n, p in module.named_parameters() if lora.is_adapter_param(n)]):
+                if self.host.rank == 0:
+                    module.save_pretrained(os.path.join(path, "adapter"))
 
 
 def copy_tokenizer_and_generation_config(source: str, target: str) -> None:

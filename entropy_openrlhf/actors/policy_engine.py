@@ -34,6 +34,7 @@ from transformers.optimization import (
     get_polynomial_decay_schedule_with_warmup,
 )
 
+from entropy_openrlhf.actors.lora import apply_lora
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.models.dtype import resolve_dtype
 
@@ -133,13 +134,15 @@ def build_policy_engine(cfg: Config, model_path: str, world_size: int) -> Policy
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    if cfg.actor.lora_rank:
+        model = apply_lora(model, cfg)  # the base frozen: only the adapters' parameters train (lora.py)
     dropout_free = not getattr(model.config, "attention_dropout", 0.0) and not any(
         isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
     )
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     # under zero.Init these are already partitioned parameters; DeepSpeed's ZeRO-3 optimizer takes them as such
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],  # all of them, or LoRA's adapters
         lr=cfg.actor.lr,
         betas=tuple(cfg.actor.adam_betas),
         eps=cfg.actor.adam_eps,

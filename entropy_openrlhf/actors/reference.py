@@ -26,7 +26,7 @@ from entropy_openrlhf.config import (
     reference_uses_deepspeed,
 )
 
-__all__ = ["ReferenceActor", "ReferenceGroup", "deal_micro_batches", "reference_ds_config"]
+__all__ = ["AdapterOffReference", "ReferenceActor", "ReferenceGroup", "deal_micro_batches", "reference_ds_config"]
 
 
 def deal_micro_batches(n: int, micro_batch_size: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
@@ -74,25 +74,47 @@ class ReferenceGroup(ActorGroup):
 
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """One list of per-token reference log-probs per response, in order, from all ranks."""
-        budget = reference_max_tokens(self.cfg)
-        if budget:
-            # by tokens: micro-batches of at most `budget`, balanced over the ranks, put back in order afterwards
-            lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
-            ranks = forward_batches(lengths, len(self.actors), budget)
-            orders = [[i for micro in rank for i in micro] for rank in ranks]
-            per_rank = [
-                ([prompt_ids[i] for i in order], [response_ids[i] for i in order], len(rank), [len(m) for m in rank])
-                for order, rank in zip(orders, ranks)
-            ]
-        else:
-            shards, forwards = deal_micro_batches(
-                len(prompt_ids), reference_micro_batch_size(self.cfg), len(self.actors)
-            )
-            orders = [list(range(start, end)) for start, end in shards]
-            per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
-        parts = self.call_each("log_probs", per_rank, timeout_s=self.cfg.ref.timeout_s, what="--ref.timeout_s")
-        out: list[list[float]] = [[] for _ in prompt_ids]
-        for order, part in zip(orders, parts):
-            for i, lp in zip(order, part, strict=True):
-                out[i] = lp
-        return out
+        return dealt_log_probs(self, self.cfg, prompt_ids, response_ids, "log_probs")
+
+
+class AdapterOffReference:
+    """The reference under LoRA (`--actor.lora_rank`): the policy's own ranks with the adapter switched off give the
+    base model's log-probs (PolicyActor.reference_log_probs), so no reference group starts, as in verl. The batch is
+    dealt over the policy's ranks as over a reference group's."""
+
+    def __init__(self, cfg: Config, policy: ActorGroup):
+        self.cfg, self.policy = cfg, policy
+
+    def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        return dealt_log_probs(self.policy, self.cfg, prompt_ids, response_ids, "reference_log_probs")
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: the policy group shuts its ranks down."""
+
+
+def dealt_log_probs(
+    group: ActorGroup, cfg: Config, prompt_ids: list[list[int]], response_ids: list[list[int]], method: str
+) -> list[list[float]]:
+    """`method` on every rank of `group`, each with its deal of the batch, every rank running the same number of
+    forwards; the answers put back in the batch's order."""
+    n_ranks = len(group.actors)
+    budget = reference_max_tokens(cfg)
+    if budget:
+        # by tokens: micro-batches of at most `budget`, balanced over the ranks, put back in order afterwards
+        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        ranks = forward_batches(lengths, n_ranks, budget)
+        orders = [[i for micro in rank for i in micro] for rank in ranks]
+        per_rank = [
+            ([prompt_ids[i] for i in order], [response_ids[i] for i in order], len(rank), [len(m) for m in rank])
+            for order, rank in zip(orders, ranks)
+        ]
+    else:
+        shards, forwards = deal_micro_batches(len(prompt_ids), reference_micro_batch_size(cfg), n_ranks)
+        orders = [list(range(start, end)) for start, end in shards]
+        per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
+    parts = group.call_each(method, per_rank, timeout_s=cfg.ref.timeout_s, what="--ref.timeout_s")
+    out: list[list[float]] = [[] for _ in prompt_ids]
+    for order, part in zip(orders, parts):
+        for i, lp in zip(order, part, strict=True):
+            out[i] = lp
+    return out

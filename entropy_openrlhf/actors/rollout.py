@@ -29,6 +29,7 @@ from entropy_openrlhf.actors.group import ActorGroup
 from entropy_openrlhf.actors.reaper import REAP_TIMEOUT_S, reap_recorded_task
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.samples import PromptItem, Sample
+from entropy_openrlhf.sync.factory import resolve_method
 
 if TYPE_CHECKING:  # annotations only: evaluation and the benchmarks run engines without a weight sync
     from entropy_openrlhf.sync.base import WeightSync
@@ -159,6 +160,10 @@ class RolloutGroup(ActorGroup):
             enable_prefix_caching=r.enable_prefix_caching,
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
+            # the adapter sync: the engines serve the policy's LoRA adapter on the base (sync/adapter.py)
+            lora_rank=cfg.actor.lora_rank
+            if resolve_method(cfg.sync.method, cfg.actor.lora_rank > 0) == "adapter"
+            else 0,
         )
 
     def generate(

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from entropy_openrlhf.actors.forward import SeqBatch, forward_log_probs, make_seq_batch, to_token_grid
+from entropy_openrlhf.actors.forward import (
+    SeqBatch,
+    forward_log_probs,
+    log_probs_by_micro_batch,
+    make_seq_batch,
+    to_token_grid,
+)
+from entropy_openrlhf.actors.lora import adapter_off
 from entropy_openrlhf.actors.micro_batches import fixed_layout
 from entropy_openrlhf.actors.step_data import TrainSample, reduce_micro_batches
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
@@ -119,6 +126,19 @@ def response_log_probs(
     with torch.no_grad():
         lp, _ = forward_log_probs(engine, b)
     return [lp[i][b.mask[i].bool()].float().tolist() for i in range(len(prompt_ids))]
+
+
+def reference_log_probs(
+    setup: RankSetup, engine: Any, prompt_ids: list[list[int]], response_ids: list[list[int]], sizes: list[int]
+) -> list[list[float]]:
+    """LoRA's reference on this rank: the base model's log-probs (the adapter switched off), from micro-batches of
+    `sizes` (0: a stand-in), at the sampling temperature, as a reference rank gives them (reference_model.py)."""
+    engine.eval()
+    with adapter_off(engine.module):
+        return log_probs_by_micro_batch(
+            engine, lambda p, r: make_batch(setup, engine, p, r), prompt_ids, response_ids, sizes,
+            temperature=setup.cfg.rollout.temperature, pad_id=setup.pad_id,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------ 1. preparing the step

@@ -56,6 +56,12 @@ class Config:
         return self.ref.enabled == "true" or (self.ref.enabled == "auto" and self.algo.kl_coef > 0)
 
     @property
+    def starts_reference_group(self) -> bool:
+        """Whether a reference group starts: the run uses the reference, and it is not LoRA's (under
+        --actor.lora_rank the policy's own ranks give the base model's log-probs with the adapter off)."""
+        return self.uses_reference and self.actor.lora_rank == 0
+
+    @property
     def use_is_correction(self) -> bool:
         """The legacy --async.is_correction resolved: auto is on for async runs."""
         return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
@@ -72,7 +78,7 @@ class Config:
 def reference_gpus(cfg: Config) -> float:
     """The GPUs the reference actor reserves: --ref.num_gpus, or for -1 (auto) one policy rank's GPU share, at most
     one (a forward pass uses one device), and 0 when the policy ranks train on the CPU. 0 when the reference is off."""
-    if not cfg.uses_reference:
+    if not cfg.starts_reference_group:
         return 0.0
     if cfg.ref.num_gpus == REF_GPUS_AUTO:
         return min(1.0, cfg.actor.num_gpus_per_worker)

@@ -51,6 +51,16 @@ def validate(cfg: Config) -> list[str]:
     )
 
     need(
+        cfg.sync.method != "adapter" or a.lora_rank > 0,
+        "sync.method",
+        "adapter sends a LoRA adapter: it needs --actor.lora_rank > 0",
+    )
+    need(
+        a.lora_rank <= 512,
+        "actor.lora_rank",
+        f"{a.lora_rank}: vLLM serves adapters up to rank 512",
+    )
+    need(
         cfg.reward.overlong_buffer_len <= r.max_new_tokens,
         "reward.overlong_buffer_len",
         f"{cfg.reward.overlong_buffer_len} is longer than --rollout.max_new_tokens {r.max_new_tokens}",
@@ -132,7 +142,7 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
     # The reference on the CPU beside GPU policy ranks runs a full-size forward in fp32 every step, and kl/ref then
     # compares two precisions: refused rather than slow and skewed without a word.
     need(
-        not (cfg.uses_reference and cfg.ref.num_gpus == 0 and a.num_gpus_per_worker > 0),
+        not (cfg.starts_reference_group and cfg.ref.num_gpus == 0 and a.num_gpus_per_worker > 0),
         "ref.num_gpus",
         f"0 puts the reference model on the CPU in fp32 while the policy ranks have GPUs (--actor.num_gpus_per_worker "
         f"{a.num_gpus_per_worker:g}): leave it at -1 (auto: {min(1.0, a.num_gpus_per_worker):g} GPU, the policy's "
@@ -143,7 +153,7 @@ def _validate_gpu_sharing(cfg: Config, need) -> None:
 def _validate_reference(cfg: Config, need) -> None:
     """The reference's GPUs against the policy's: its ranks on one device, CPU offload without a GPU."""
     ref = cfg.ref
-    if not cfg.uses_reference:
+    if not cfg.starts_reference_group:
         return
     gpus = reference_gpus(cfg)
     # The same trap as the policy's: Ray packs the bundles, so two ranks of half a GPU share one device, and NCCL

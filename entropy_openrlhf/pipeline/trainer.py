@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
-from entropy_openrlhf.actors.reference import ReferenceGroup
+from entropy_openrlhf.actors.reference import AdapterOffReference, ReferenceGroup
 from entropy_openrlhf.actors.reward import RewardGroup
 from entropy_openrlhf.actors.rollout import RolloutGroup
 from entropy_openrlhf.algorithms.advantages import compute_advantages
@@ -96,11 +96,13 @@ class Trainer(Checkpointing, NodeLossHandling):
         t0 = time.time()
         self.rollout = RolloutGroup.from_config(cfg, self.model_path)
         self.reward = RewardGroup.from_config(cfg)
-        self.reference = None
-        if cfg.uses_reference:
+        self.reference: ReferenceGroup | AdapterOffReference | None = None
+        if cfg.starts_reference_group:
             self.reference = ReferenceGroup(cfg, self.model_path, local=local)
         self.policy = PolicyGroup(cfg, self.model_path, local=local)
-        self.sync = make_weight_sync(cfg.sync, self.rollout, self.policy)
+        if cfg.uses_reference and not cfg.starts_reference_group:  # LoRA: the base is the policy with its adapter off
+            self.reference = AdapterOffReference(cfg, self.policy)
+        self.sync = make_weight_sync(cfg.sync, self.rollout, self.policy, lora=cfg.actor.lora_rank > 0)
         self.sync.setup()
         self.startup_seconds = time.time() - t0
         self.actor_node_ids = self.actor_nodes()  # what the node watch reads (run)
@@ -112,7 +114,7 @@ class Trainer(Checkpointing, NodeLossHandling):
     def actor_nodes(self) -> dict[str, list[str]]:
         """The Ray node id of every actor, by group, in rank / engine / worker order."""
         groups = {"rollout": self.rollout.actors, "policy": self.policy.actors, "reward": self.reward.workers}
-        if self.reference is not None:
+        if isinstance(self.reference, ReferenceGroup):
             groups["reference"] = self.reference.actors
         return actor_node_ids(groups)
 

@@ -26,7 +26,7 @@ import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -98,10 +98,28 @@ class PolicyRank:
     # parameter in the same order: DeepSpeed's GatheredParameters, which the rank passes in (a sender's module is
     # imported by the driver too, which must not load DeepSpeed)
     gathered: Callable[[torch.nn.Parameter], AbstractContextManager[Any]] = held_whole
+    # The weights the engines serve, as (HF name, tensor), one at a time (under ZeRO-3 every rank iterates, in the
+    # same order), and the (name, parameter) pairs they come from, in that order (a sync announces names, dtypes and
+    # shapes first). None: the module's own parameters; a LoRA rank passes its merged view (actors/lora.py)
+    named_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    weight_params: Callable[[], list[tuple[str, torch.nn.Parameter]]] | None = None
 
     def __post_init__(self) -> None:
         if self.zero3 and self.gathered is held_whole:
             raise ValueError("a ZeRO-3 policy rank must pass its gather (DeepSpeed's GatheredParameters) as `gathered`")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight the engines serve, whole, one at a time; a tensor is valid until the next is asked for."""
+        if self.named_weights is not None:
+            yield from self.named_weights()
+            return
+        for name, param in self.module.named_parameters():
+            with self.gathered(param):
+                yield name, param.data
+
+    def params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of what `weights` yields, in its order."""
+        return self.weight_params() if self.weight_params is not None else list(self.module.named_parameters())
 
 
 class RankSender:

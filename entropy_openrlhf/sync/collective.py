@@ -74,7 +74,7 @@ class CollectiveSender(RankSender):
         """Every rank: take the parameter list afresh, leaving any earlier group. Rank 0 also starts the group's
         rendezvous store on its node and returns where it is and what it will send; the other ranks return None."""
         self.close()
-        self.params = list(self.host.module.named_parameters())
+        self.params = self.host.params()
         if self.host.rank != 0:
             return None
         host = ray.util.get_node_ip_address()
@@ -92,24 +92,25 @@ class CollectiveSender(RankSender):
         self.group = WeightSyncGroup(self.store, 0, *self._group_settings)
 
     def broadcast(self) -> int:
-        """Send every weight; every rank must call it when ZeRO-3 shards the parameters (each parameter is gathered
-        by the rank's own `gathered`: DeepSpeed's, which this module, imported by the driver too, does not load).
+        """Send every weight; every rank must call it when ZeRO-3 shards the parameters (each weight is gathered by
+        the rank's own `weights()`, with DeepSpeed's gather, which this module, imported by the driver too, does not
+        load; under LoRA each is the base weight with its adapter's update merged).
         Returns the count."""
         rank0 = self.host.rank == 0
         if rank0 and self.group is None:
             raise WeightSyncError("the weight sync group is not set up: CollectiveSync.setup first")
         failure: BaseException | None = None
-        for _, param in self.params:
-            with self.host.gathered(param):
-                if rank0 and failure is None:
-                    try:
-                        self.group.send(param.data)
-                        # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor
-                        if self.host.zero3:
-                            self.group.finish()
-                    except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are done gathering
-                        failure = e
-                        self.close()  # engines still waiting on rank 0 fail now, not at the group's timeout
+        for _, tensor in self.host.weights():  # each gathered (ZeRO-3) while the loop body runs
+            if rank0 and failure is None:
+                try:
+                    self.group.send(tensor)
+                    # NCCL queues the send: finish it before ZeRO-3 releases (and reuses) the gathered tensor, or
+                    # before a LoRA rank's merged tensor, made for this send alone, is freed
+                    if self.host.zero3 or self.host.named_weights is not None:
+                        self.group.finish()
+                except Exception as e:  # noqa: BLE001 - raised below, once the other ranks are done gathering
+                    failure = e
+                    self.close()  # engines still waiting on rank 0 fail now, not at the group's timeout
             # after a failure rank 0 keeps taking part in the gathers: under ZeRO-3 the other ranks would otherwise
             # wait for it in the next one
         if rank0 and failure is None:

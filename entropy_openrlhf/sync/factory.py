@@ -25,9 +25,11 @@ if TYPE_CHECKING:  # annotations only: base.py imports Ray, which the config (it
 SYNC_METHODS: dict[str, str] = {
     "object_store": "entropy_openrlhf.sync.object_store:ObjectStoreSync",
     "collective": "entropy_openrlhf.sync.collective:CollectiveSync",
+    "adapter": "entropy_openrlhf.sync.adapter:AdapterSync",
 }
 
 AUTO_METHOD = "collective"  # what --sync.method auto picks (resolve_method gives the measurement)
+AUTO_LORA_METHOD = "adapter"  # what it picks for a LoRA run (--actor.lora_rank > 0)
 
 
 @dataclass
@@ -36,7 +38,8 @@ class WeightSyncSettings:
     method: str = option(
         "auto",
         "{choices}. auto = collective: a broadcast over NCCL when the policy and the engines have GPUs, gloo "
-        "otherwise (4.6x faster than the object store for SmolLM2 on CPU, docs/guides/benchmarks.md)",
+        "otherwise (4.6x faster than the object store for SmolLM2 on CPU, docs/guides/benchmarks.md); for a LoRA run "
+        "auto = adapter: only the adapter, served by vLLM's LoRA (collective and object_store send the merged model)",
         choices=("auto", *SYNC_METHODS),
     )
     max_chunk_mb: float = option(
@@ -49,7 +52,7 @@ class WeightSyncSettings:
     )
 
 
-def resolve_method(method: str) -> str:
+def resolve_method(method: str, lora: bool = False) -> str:
     """`--sync.method`: auto = collective, over NCCL when the policy and the engines run on CUDA, over gloo
     otherwise (the backend is chosen from what each member sees, group.choose_backend).
 
@@ -60,9 +63,11 @@ def resolve_method(method: str) -> str:
     default only because a restarted engine could not rejoin the broadcast group; it now can (the group re-exports
     for it and rebuilds the group)."""
     if method == "auto":
-        return AUTO_METHOD
+        return AUTO_LORA_METHOD if lora else AUTO_METHOD
     if method not in SYNC_METHODS:
         raise ValueError(f"--sync.method: {method!r} is not one of auto, {', '.join(SYNC_METHODS)}")
+    if method == "adapter" and not lora:
+        raise ValueError("--sync.method adapter sends a LoRA adapter: it needs --actor.lora_rank > 0")
     return method
 
 
@@ -77,9 +82,10 @@ def method_class(method: str) -> type[WeightSync]:
     return cls
 
 
-def make_weight_sync(settings: WeightSyncSettings, rollout: Engines, policy: Policy) -> WeightSync:
-    """The run's weight sync between `policy` and `rollout`, attached to the rollout group (not yet set up)."""
-    cls = method_class(resolve_method(settings.method))
+def make_weight_sync(settings: WeightSyncSettings, rollout: Engines, policy: Policy, lora: bool = False) -> WeightSync:
+    """The run's weight sync between `policy` and `rollout` (`lora`: the policy trains a LoRA adapter), attached to
+    the rollout group (not yet set up)."""
+    cls = method_class(resolve_method(settings.method, lora))
     return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb)
 
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import nullcontext
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from entropy_openrlhf.actors.lora import apply_lora, named_weights
 from entropy_openrlhf.actors.policy import PolicyGroup, TrainSample
 from entropy_openrlhf.algorithms.losses import (
     cispo_loss,
@@ -85,7 +87,10 @@ def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
 TOP_FRAC = 0.3  # high_entropy's share (not a divisor of the micro-batch sizes, so its rounding shows)
 
 
-def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str = "") -> Config:
+def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str = "", lora: int = 0) -> Config:
+    # LoRA cases: the adapters on every linear layer, under ZeRO-3 when two ranks share them
+    lora_flags = ["--actor.lora_rank", str(lora), "--actor.lora_alpha", str(2 * lora),
+                  "--actor.zero_stage", "3" if workers > 1 else "2"] if lora else []  # fmt: skip
     cfg = from_args(
         [
             "--preset", "smoke",
@@ -100,6 +105,7 @@ def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str 
             "--async.is_correction", "on",
             "--async.is_cap", str(IS_CAP),
             "--train.shared_prefix", shared_prefix,
+            *lora_flags,
         ],
         {"loss.type": loss, **({"loss.clip_low": 1.0, "loss.clip_high": 1.0} if loss == "clip_cov" else {})},
     )  # fmt: skip
@@ -126,9 +132,11 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
     importance weights per sample). `select=False` computes a variant that must miss: the objective with nothing
     selected, or for CISPO and GSPO (which select nothing) the other aggregation (per token vs per sequence)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if cfg.actor.lora_rank:  # the actor's adapters: apply_lora draws them from the run's seed
+        model = apply_lora(model, cfg)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas), eps=cfg.actor.adam_eps,
-        weight_decay=cfg.actor.weight_decay,
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.actor.lr, betas=tuple(cfg.actor.adam_betas),
+        eps=cfg.actor.adam_eps, weight_decay=cfg.actor.weight_decay,
     )  # fmt: skip
     lc = cfg.loss
     weights = [
@@ -236,22 +244,27 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
             fracs.append(float(out.selected.sum()) / float(mask.sum()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.actor.grad_clip)
         opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}, fracs, weights
+    # the weights the actor exports: under LoRA each base weight with its adapter's update (W + alpha/r B A)
+    return {k: v.detach().clone() for k, v in named_weights(model, lambda params: nullcontext())}, fracs, weights
 
 
 @pytest.mark.parametrize(
-    "loss, scope, workers, shared_prefix, within",
-    [("kl_cov", "micro_batch", 1, "on", ""), ("clip_cov", "micro_batch", 1, "off", ""),
-     ("kl_cov", "global", 2, "auto", ""), ("clip_cov", "global", 2, "on", ""),
-     ("high_entropy", "micro_batch", 2, "on", ""), ("high_entropy", "global", 2, "off", ""),
-     ("cispo", "micro_batch", 1, "auto", ""), ("gspo", "micro_batch", 2, "on", ""),
-     ("kl_cov", "micro_batch", 1, "off", "high_entropy")],
+    "loss, scope, workers, shared_prefix, within, lora",
+    [("kl_cov", "micro_batch", 1, "on", "", 0), ("clip_cov", "micro_batch", 1, "off", "", 0),
+     ("kl_cov", "global", 2, "auto", "", 0), ("clip_cov", "global", 2, "on", "", 0),
+     ("high_entropy", "micro_batch", 2, "on", "", 0), ("high_entropy", "global", 2, "off", "", 0),
+     ("cispo", "micro_batch", 1, "auto", "", 0), ("gspo", "micro_batch", 2, "on", "", 0),
+     ("kl_cov", "micro_batch", 1, "off", "high_entropy", 0),
+     ("kl_cov", "micro_batch", 1, "auto", "", 8), ("clip_cov", "global", 2, "on", "", 8)],
 )  # fmt: skip
-def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss, scope, workers, shared_prefix, within):
+def test_one_actor_step_equals_the_reference_step(
+    ray_cluster, tiny_model, loss, scope, workers, shared_prefix, within, lora
+):
     """`shared_prefix` on/auto: the actor packs each micro-batch's pair of responses behind their one prompt; the
     reference never packs. Every registered objective is here, through the registry on the actor's side and through
-    the plain loss functions on the reference's."""
-    cfg = config(loss, scope, workers, shared_prefix, within)
+    the plain loss functions on the reference's. `lora`: the adapters train (ZeRO-3 over two ranks), the base stays,
+    and the exported weights are the base with the adapters' update merged."""
+    cfg = config(loss, scope, workers, shared_prefix, within, lora)
     samples, old_rows = make_batch(tiny_model)
     initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
     group = PolicyGroup(cfg, tiny_model)
@@ -268,7 +281,7 @@ def test_one_actor_step_equals_the_reference_step(ray_cluster, tiny_model, loss,
     update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
     tolerance = 1e-3 * update
     assert update > 1e-3  # the step moved the weights
-    case = f"{loss}/{scope}/{workers}/{shared_prefix}/{within}"
+    case = f"{loss}/{scope}/{workers}/{shared_prefix}/{within}/lora{lora}"
     print(f"\n{case}: update {update:.3g}, deviation {deviation(expected):.3g}")
     assert deviation(expected) < tolerance, (deviation(expected), update)
     unselected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers, select=False)

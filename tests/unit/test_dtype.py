@@ -7,7 +7,7 @@ import torch
 
 from entropy_openrlhf.actors import engine as rollout
 from entropy_openrlhf.actors import policy_engine as policy
-from entropy_openrlhf.actors import reference_actor as reference
+from entropy_openrlhf.actors import reference_model as reference
 from entropy_openrlhf.models import dtype
 from entropy_openrlhf.models.dtype import resolve_dtype, vllm_dtype
 

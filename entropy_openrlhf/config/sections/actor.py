@@ -36,6 +36,21 @@ class ActorConfig(Section):
     zero_stage: int = _f(2, "DeepSpeed ZeRO stage (0-3)")
     micro_batch_size: int = _f(4, "sequences per forward/backward on one actor")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    lora_rank: int = _f(
+        0,
+        "train low-rank adapters of this rank instead of the whole model (0 = full fine-tuning): the base stays "
+        "frozen, the reference is the base with the adapter off (no reference group), checkpoints hold the adapter",
+    )
+    lora_alpha: float = _f(32.0, "LoRA scaling numerator: the adapter's update is scaled by alpha / rank")
+    lora_dropout: float = _f(
+        0.0,
+        "dropout on the adapter's input; keep 0: dropout makes the old-log-prob pass and the training forward differ",
+    )
+    lora_target_modules: str = _f(
+        "all-linear",
+        "modules that get an adapter: all-linear (every linear layer of attention and MLP, not the LM head) or "
+        "comma-separated module names (q_proj,v_proj)",
+    )
 
     def checks(self) -> list[str]:
         return (
@@ -54,6 +69,14 @@ class ActorConfig(Section):
                 (self.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3"),
                 (self.num_workers >= 1, "actor.num_workers", "must be >= 1"),
                 (self.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1"),
+                (self.lora_rank >= 0, "actor.lora_rank", f"{self.lora_rank} must be >= 0 (0 = full fine-tuning)"),
+                (self.lora_alpha > 0, "actor.lora_alpha", f"{self.lora_alpha} must be > 0"),
+                (0 <= self.lora_dropout < 1, "actor.lora_dropout", f"{self.lora_dropout} must be in [0, 1)"),
+                (
+                    bool(self.lora_target_modules.strip(" ,")),
+                    "actor.lora_target_modules",
+                    "give all-linear or module names",
+                ),
             )
             + _ray_amount_errors(self, "actor", "num_gpus_per_worker", "num_cpus_per_worker")
             + _custom_resource_errors(self.custom_resources, "actor")

@@ -30,6 +30,14 @@ class TrainConfig(Section):
         choices=("auto", "on", "off"),
     )
 
+    step_timeout_s: float = _f(
+        14400.0,
+        "a policy train step (all ranks) that takes longer fails, naming the ranks still running; raise it for long "
+        "responses on large models",
+    )
+    save_timeout_s: float = _f(
+        3600.0, "writing or loading a checkpoint or the final model (all policy ranks) that takes longer fails"
+    )
     max_tokens_per_micro_batch: int = _f(
         0,
         "token budget of one policy micro-batch (prompt + response tokens of its sequences; a longer sequence runs "
@@ -40,6 +48,8 @@ class TrainConfig(Section):
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (self.step_timeout_s > 0, "train.step_timeout_s", f"{self.step_timeout_s:g} must be > 0"),
+            (self.save_timeout_s > 0, "train.save_timeout_s", f"{self.save_timeout_s:g} must be > 0"),
             (
                 self.max_tokens_per_micro_batch >= 0,
                 "train.max_tokens_per_micro_batch",
