@@ -23,6 +23,7 @@ use, so it is not used here.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import ray
@@ -38,6 +39,7 @@ from entropy_openrlhf.sync.base import (
     WeightSyncTimeoutError,
     wait_for_sync,
 )
+from entropy_openrlhf.sync.chunks import MB
 from entropy_openrlhf.sync.group import (
     SyncEndpoint,
     WeightMeta,
@@ -198,7 +200,9 @@ class CollectiveSync(WeightSync):
         with self.engine_lock:  # waits for a generation in progress to end
             waited = time.time() - t0
             seconds = self.update_weights(version)
-        self.metrics = {"time/sync": seconds, "time/sync_wait": waited}
+        # what one broadcast moves: every weight once (under LoRA the merged ones, the model's size)
+        moved = sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in self.endpoint.meta)
+        self.metrics = {"time/sync": seconds, "time/sync_wait": waited, "sync/mb": moved / MB}
 
     def update_weights(self, version: int) -> float:
         """The policy broadcasts its weights while every engine receives and loads them; return the seconds the

@@ -93,6 +93,7 @@ class ObjectStoreSync(WeightSync):
 
     def publish(self, version: int) -> None:
         state = export_weights(self.policy)
+        self.metrics = {"sync/mb": sum(t.numel() * t.element_size() for t in state.values()) / MB}
         with self._pending_lock:
             self.pending = (version, state)
 
