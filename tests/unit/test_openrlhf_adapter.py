@@ -337,6 +337,14 @@ def test_split_argv_keeps_openrlhfs_flags_in_order_and_types_ours():
                     "--ds.packing_samples"]  # fmt: skip
 
 
+def test_openrlhfs_lora_flags_pass_through_to_train_ppo_ray():
+    lora = ["--ds.lora.rank", "16", "--ds.lora.alpha", "32", "--ds.lora.target_modules", "q_proj", "v_proj",
+            "--ds.lora.dropout", "0"]  # fmt: skip
+    ours, rest = cli.split_argv(["--objective", "kl_cov", *lora, "--ds.zero_stage", "3"])
+    assert ours.name == "kl_cov" and rest == [*lora, "--ds.zero_stage", "3"]
+    assert cli._openrlhf_notes("kl_cov", rest) == []  # nothing about LoRA defeats the objective
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
