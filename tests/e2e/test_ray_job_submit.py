@@ -89,6 +89,24 @@ def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head,
     assert list(runs[0].glob("run-*.wandb")), "W&B wrote no run file"  # the offline run W&B itself would sync
 
 
+@pytest.mark.timeout(1200)
+def test_a_lora_job_syncs_only_the_adapter_and_saves_it_beside_the_merged_model(head, tmp_path):
+    """`pipelines/kl_cov.py --actor.lora_rank` through `ray job submit` on the built-in task (docs/guides/lora.md):
+    the adapter sync, the reference as the base, the final folder merged with the adapter beside it."""
+    out_dir = tmp_path / "run"
+    args = ["--preset", "smoke", "--train.output_dir", str(out_dir), "--actor.lora_rank", "8", "--ref.enabled", "true"]
+    code, log = submit(head, {"excludes": EXCLUDES}, args, timeout=900)
+    assert code == 0, log[-4000:]
+    assert "weight sync: adapter only" in log, log[-4000:]
+    final = out_dir / "final"
+    assert (final / "config.json").exists() and (final / "adapter" / "adapter_config.json").exists()
+    (run,) = (out_dir / "wandb").glob("offline-run-*")
+    metrics = [json.loads(line) for line in (run / "files" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(0 < m["sync/mb"] < 1 for m in metrics)  # a rank-8 adapter of the tiny model: well under a MiB
+    assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the base
+
+
 def test_a_run_that_needs_missing_gpus_fails_in_one_line(head, tmp_path):
     # A placement wait longer than the submit's own limit: a job that got past the fit check to wait for its GPUs
     # would be cut by the submit's timeout (and fail this test) rather than fail in the expected line.
