@@ -38,8 +38,9 @@ class Checkpointing:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.unfinished_save = tmp  # until the rename: a run stopped meanwhile removes it (discard_unfinished_save)
-        self.policy.call_all("save_checkpoint", str(tmp / "deepspeed"), "state")
-        self.policy.call_all("save_hf", str(tmp / "hf"))  # a complete HF folder: weights, config, tokenizer
+        deadline = {"timeout_s": self.cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
+        self.policy.call_all("save_checkpoint", str(tmp / "deepspeed"), "state", **deadline)
+        self.policy.call_all("save_hf", str(tmp / "hf"), **deadline)  # a complete HF folder: weights, config, tokenizer
         state = {
             "step": version,
             "stream_epoch": stream_after[0],
@@ -88,7 +89,8 @@ class Checkpointing:
             print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
             return 0
         ckpt, state = found
-        self.policy.call_all("load_checkpoint", str(ckpt / "deepspeed"), "state")
+        deadline = {"timeout_s": self.cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
+        self.policy.call_all("load_checkpoint", str(ckpt / "deepspeed"), "state", **deadline)
         self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
         self.stream._order = self.stream._make_order()
         if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed

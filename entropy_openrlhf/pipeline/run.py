@@ -220,7 +220,9 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         start_step = trainer.resume() if cfg.train.resume else 0
         history = trainer.run(tracker, start_step=start_step)
         final = Path(cfg.train.output_dir) / "final"
-        trainer.policy.call_all("save_hf", str(final))  # weights, config, tokenizer and generation config
+        # weights, config, tokenizer and generation config
+        deadline = {"timeout_s": cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
+        trainer.policy.call_all("save_hf", str(final), **deadline)
         if history:  # empty when resuming a run whose last checkpoint is its final step
             print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
