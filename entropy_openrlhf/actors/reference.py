@@ -17,7 +17,7 @@ import math
 
 from entropy_openrlhf.actors.group import ActorGroup
 from entropy_openrlhf.actors.micro_batches import forward_batches
-from entropy_openrlhf.actors.reference_actor import ReferenceActor, reference_ds_config
+from entropy_openrlhf.actors.reference_actor import ReferenceActor
 from entropy_openrlhf.config import (
     Config,
     reference_gpus,
@@ -26,7 +26,7 @@ from entropy_openrlhf.config import (
     reference_uses_deepspeed,
 )
 
-__all__ = ["AdapterOffReference", "ReferenceActor", "ReferenceGroup", "deal_micro_batches", "reference_ds_config"]
+__all__ = ["AdapterOffReference", "ReferenceActor", "ReferenceGroup", "deal_micro_batches"]
 
 
 def deal_micro_batches(n: int, micro_batch_size: int, world_size: int) -> tuple[list[tuple[int, int]], int]:

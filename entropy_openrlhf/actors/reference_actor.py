@@ -35,27 +35,6 @@ from entropy_openrlhf.cluster import set_cpu_defaults
 from entropy_openrlhf.config import Config, reference_micro_batch_size, reference_uses_deepspeed
 
 
-def reference_ds_config(hidden_size: int, bf16: bool, micro_batch_size: int, offload: bool) -> dict:
-    """DeepSpeed's inference config for the reference: OpenRLHF's `get_eval_ds_config` at stage 3. Its "auto"
-    bucket sizes are filled with transformers' rules for them (integrations/deepspeed.py, `trainer_config_finalize`),
-    which need the model's hidden size: parameters under 10 x hidden elements (norms, biases) stay whole on every
-    rank, every other one is split over the ranks."""
-    return {
-        # DeepSpeed wants a batch size even without an optimizer; one micro-batch per forward, no accumulation
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-            # parameters wait in pinned host memory and are copied to the GPU module by module for each forward
-            "offload_param": {"device": "cpu" if offload else "none", "pin_memory": True},
-        },
-        "bf16": {"enabled": bf16},
-        "steps_per_print": 10**9,
-    }
-
-
 @ray.remote
 class ReferenceActor:
     def __init__(

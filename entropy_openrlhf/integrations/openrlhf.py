@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import json
 import os
+import runpy
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType, SimpleNamespace
@@ -269,9 +270,6 @@ def setup_worker() -> None:
 
 
 if __name__ == "__main__":
-    # `python -m entropy_openrlhf.integrations.openrlhf` stays the documented command. The command line lives in
-    # openrlhf_cli, which imports the package's copy of this module (not this __main__ one), so the setup hook and
-    # install() share its state; imported here because openrlhf_cli imports this module at its top.
-    from entropy_openrlhf.integrations import openrlhf_cli
-
-    sys.exit(openrlhf_cli.main())
+    # `python -m entropy_openrlhf.integrations.openrlhf` stays the documented command: it runs the command line,
+    # openrlhf_cli, as __main__ (run, not imported, so this module, which it imports, does not import it back)
+    runpy.run_module("entropy_openrlhf.integrations.openrlhf_cli", run_name="__main__", alter_sys=True)

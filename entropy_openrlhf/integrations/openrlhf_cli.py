@@ -228,3 +228,9 @@ def main(argv: Sequence[str] | None = None, *, train_module: str = TRAIN_MODULE)
     finally:
         sys.argv = saved_argv
     return 0
+
+
+if __name__ == "__main__":
+    # the package's copy of the route (imported above), not a __main__ one: the setup hook and install() share its
+    # state
+    sys.exit(main())

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from entropy_openrlhf.actors.reference import deal_micro_batches, reference_ds_config
+from entropy_openrlhf.actors.reference import deal_micro_batches
+from entropy_openrlhf.actors.reference_model import reference_ds_config
 from entropy_openrlhf.cluster_fit import group_needs
 from entropy_openrlhf.config import (
     ConfigError,
