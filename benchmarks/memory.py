@@ -18,11 +18,14 @@ samples, but adds peaks that did not happen at the same time.
 
 Prints the table, then `peak_cluster_gib: <peak of the cluster's summed PSS, GiB>` as the last line (the issue's
 limit: under 16 GiB on the 24 GiB machine); exits non-zero when the run failed or nothing was sampled.
+
+`measure` (one sampled run and its per-step metrics, as a value) is what `benchmarks/lora.py` runs for each arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -126,52 +129,92 @@ def row(name: str, p: Peaks) -> str:
     return f"{name:<34}{p.processes:>10}{p.rss / GIB:>14.2f}{p.pss / GIB:>14.2f}{sum(p.hwm.values()) / GIB:>15.2f}"
 
 
+class CouldNotMeasure(RuntimeError):
+    """The run failed, or the sampler did not see it to the end: there is no figure to print."""
+
+
+@dataclass
+class Measurement:
+    sampler: Sampler  # its groups' and the cluster's peaks
+    seconds: float  # the run's wall time
+    load_before: float  # 1-minute load average before the run
+    metrics: list[dict[str, float]]  # the run's logged metrics, one merged dict per step in step order
+
+
+def measure(steps: int, pipeline_flags: list[str], pipeline: str = "kl_cov", interval: float = 0.5) -> Measurement:
+    """Run the pipeline in this process for `steps` steps, sampling every process of the run, and read back its
+    per-step metrics (W&B offline's `files/metrics.jsonl`) before its temporary output folder goes. Raises
+    CouldNotMeasure, saying why, when the run failed or was not sampled to its end. Ray is shut down when it returns
+    (the run owns the local Ray it starts), so it can be called again in the same process."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+    from entropy_openrlhf.pipeline.main import main as pipeline_main
+
+    load_before = os.getloadavg()[0]
+    sampler = Sampler(interval)
+    tmp = tempfile.TemporaryDirectory(prefix="memory_")
+    wandb_dir = os.environ.pop("WANDB_DIR", None)  # the run's W&B folder goes under its output dir, read below
+    sampler.start()
+    t0 = time.time()
+    try:
+        flags = ["--train.num_steps", str(steps), "--train.output_dir", tmp.name, *pipeline_flags]
+        code = pipeline_main(flags, pipeline)
+        metrics = read_metrics(Path(tmp.name))
+    except Exception as e:  # noqa: BLE001 - report and fail, never print a number we did not measure
+        raise CouldNotMeasure(f"the run failed: {type(e).__name__}: {e}") from e
+    finally:
+        sampled_to_the_end = sampler.is_alive()
+        sampler.stop.set()
+        sampler.join()
+        tmp.cleanup()
+        if wandb_dir is not None:
+            os.environ["WANDB_DIR"] = wandb_dir
+    if sampler.error is not None or not sampled_to_the_end:
+        raise CouldNotMeasure(f"the memory sampler stopped during the run: {sampler.error!r}")
+    seconds = time.time() - t0
+    if code != 0:
+        raise CouldNotMeasure(f"the run exited with {code}")
+    if sampler.samples < 2:
+        raise CouldNotMeasure("fewer than 2 memory samples")
+    return Measurement(sampler, seconds, load_before, metrics)
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, float]]:
+    """The per-step metrics of the one run under `output_dir`: the lines of its `files/metrics.jsonl` merged by step
+    (a step may log more than one line), in step order; [] when the run wrote none."""
+    steps: dict[int, dict[str, float]] = {}
+    for path in sorted(output_dir.glob("**/files/metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                steps.setdefault(int(record["step"]), {}).update(record)
+    return [steps[s] for s in sorted(steps)]
+
+
+def group_order(group: str) -> int:
+    return ([g for g, _ in GROUPS] + [RAY_SYSTEM, WANDB, DRIVER]).index(group)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="RL steps of the run")
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
     ap.add_argument("--pipeline", default="kl_cov", help="grpo | clip_higher | clip_cov | kl_cov (the demo: kl_cov)")
     args, pipeline_flags = ap.parse_known_args(argv)
-    os.environ.setdefault("TQDM_DISABLE", "1")
-
-    from entropy_openrlhf.pipeline.main import main as pipeline_main
-
-    load_before = os.getloadavg()[0]
-    sampler = Sampler(args.interval)
-    tmp = tempfile.TemporaryDirectory(prefix="memory_")
-    sampler.start()
-    t0 = time.time()
     try:
-        flags = ["--train.num_steps", str(args.steps), "--train.output_dir", tmp.name, *pipeline_flags]
-        code = pipeline_main(flags, args.pipeline)
-    except Exception as e:  # noqa: BLE001 - report and fail, never print a number we did not measure
-        print(f"error: could not measure: the run failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        sampled_to_the_end = sampler.is_alive()
-        sampler.stop.set()
-        sampler.join()
-        tmp.cleanup()
-    if sampler.error is not None or not sampled_to_the_end:
-        why = f"the memory sampler stopped during the run: {sampler.error!r}"
-        print(f"error: could not measure: {why}", file=sys.stderr)
-        return 1
-    seconds = time.time() - t0
-    if code != 0:
-        print(f"error: could not measure: the run exited with {code}", file=sys.stderr)
-        return 1
-    if sampler.samples < 2:
-        print("error: could not measure: fewer than 2 memory samples", file=sys.stderr)
+        m = measure(args.steps, pipeline_flags, args.pipeline, args.interval)
+    except CouldNotMeasure as e:
+        print(f"error: could not measure: {e}", file=sys.stderr)
         return 1
 
+    sampler = m.sampler
     print(
         f"\n{args.pipeline} run, {args.steps} steps, flags {' '.join(pipeline_flags) or '(the demo defaults)'}: "
-        f"{seconds:.0f} s, {sampler.samples} samples every {args.interval} s; load average before / after: "
-        f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        f"{m.seconds:.0f} s, {sampler.samples} samples every {args.interval} s; load average before / after: "
+        f"{m.load_before:.1f} / {os.getloadavg()[0]:.1f}"
     )
     print(f"{'group':<34}{'processes':>10}{'peak RSS GiB':>14}{'peak PSS GiB':>14}{'sum VmHWM GiB':>15}")
-    order = [g for g, _ in GROUPS] + [RAY_SYSTEM, WANDB, DRIVER]
-    for group in sorted(sampler.groups, key=order.index):
+    for group in sorted(sampler.groups, key=group_order):
         p = sampler.groups[group]
         print(row(group, p))
     c = sampler.cluster
