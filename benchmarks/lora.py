@@ -20,8 +20,9 @@ step's `entropy/seq_mean` and `reward/mean`. Each figure comes with its ratio to
     .venv/bin/python benchmarks/lora.py --arms ref_auto,ref_on --steps 3          # the reference only when used
     (any other flag goes to every arm's run, e.g. --rollout.batch_size 4; --preset smoke for a quick check)
 
-Prints each arm's memory table, then the machine, the comparison table, and `<last arm>_over_<first arm>_step:
-<ratio of the mean time/step>` as the last line; exits non-zero when an arm could not be measured.
+Prints each arm's memory table and per-step timings, then the machine, the comparison table, and
+`<last arm>_over_<first arm>_step: <ratio of the mean time/step>` as the last line; exits non-zero when an arm could
+not be measured.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def summarize(name: str, m: Measurement) -> ArmResult:
 def cell(value: float | None, base: float | None, first: bool) -> str:
     if value is None:
         return "-"
-    text = f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    text = f"{value:.3f}" if abs(value) < 1 else f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
     if first:
         return text
     return f"{text} ({value / base:.2f}x)" if base else f"{text} (-)"
@@ -189,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'group':<34}{'processes':>10}{'peak RSS GiB':>14}{'peak PSS GiB':>14}{'sum VmHWM GiB':>15}")
         for group in sorted(m.sampler.groups, key=group_order):
             print(row(group, m.sampler.groups[group]))
-        print(row("whole cluster", m.sampler.cluster), flush=True)
+        print(row("whole cluster", m.sampler.cluster))
+        for _, kind, key in ROWS:
+            if kind == "mean" and any(key in s for s in m.metrics):
+                print(f"  per step, {key}: " + ", ".join(f"{s[key]:.3f}" if key in s else "-" for s in m.metrics))
+        sys.stdout.flush()
 
     print(f"\nmachine: {cpu_model()}, {os.cpu_count()} CPUs; load average (1 min) before / after: "
           f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -45,9 +45,9 @@ def test_table_gives_ratios_to_the_first_arm_and_drops_empty_rows():
     ]
     lines = lora.table(results)
     assert lines[0] == "| figure | ref_auto | ref_on |"
-    assert "| time/step (s) | 10.0 | 12.0 (1.20x) |" in lines
-    assert "| peak PSS, reference (GiB) | - | 1.000 |" not in lines  # no ratio to a missing figure
-    assert "| peak PSS, reference (GiB) | - | 1.000 (-) |" in lines
+    assert "| time/step (s) | 10.00 | 12.00 (1.20x) |" in lines
+    assert "| peak PSS, reference (GiB) | - | 1.00 |" not in lines  # no ratio to a missing figure
+    assert "| peak PSS, reference (GiB) | - | 1.00 (-) |" in lines
     assert not any(line.startswith("| time/rollout") for line in lines)  # no arm has it
     assert lora.headline(results) == "ref_on_over_ref_auto_step: 1.200"
 
