@@ -69,7 +69,7 @@ def set_mode(actor_self, mode: str) -> None:
     from entropy_openrlhf.actors.prefix_packing import ATTENTION_NAME, register
 
     register()
-    model = actor_self.engine.module if hasattr(actor_self, "engine") else actor_self.model
+    model = actor_self.engine.module if hasattr(actor_self, "engine") else actor_self.ref.model
     model.set_attn_implementation("sdpa" if mode == "off" else ATTENTION_NAME)
     if hasattr(actor_self, "cfg"):
         actor_self.cfg.train.shared_prefix = mode

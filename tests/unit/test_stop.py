@@ -73,7 +73,7 @@ class PolicyStoppedMidSave:
 
     actors: list = []  # no rank left to wait for
 
-    def call_all(self, method: str, path: str, tag: str) -> list:
+    def call_all(self, method: str, path: str, tag: str, **deadline) -> list:
         assert method == "save_checkpoint", method  # the save's first call on the ranks
         Path(path, tag).mkdir(parents=True)
         Path(path, tag, "mp_rank_00_model_states.pt").write_bytes(b"half")
