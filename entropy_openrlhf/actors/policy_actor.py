@@ -26,10 +26,9 @@ import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
-from entropy_openrlhf.actors.micro_batches import fixed_sizes
 from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.cluster import set_cpu_defaults
-from entropy_openrlhf.config import Config, reference_micro_batch_size
+from entropy_openrlhf.config import Config
 from entropy_openrlhf.sync.base import RankSender
 from entropy_openrlhf.sync.factory import make_sender
 
@@ -138,16 +137,10 @@ class PolicyActor:
         return self.phases.response_log_probs(self.setup, self.engine, prompt_ids, response_ids)
 
     def reference_log_probs(
-        self,
-        prompt_ids: list[list[int]],
-        response_ids: list[list[int]],
-        forwards: int | None = None,
-        sizes: list[int] | None = None,
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], sizes: list[int]
     ) -> list[list[float]]:
         """LoRA's reference (reference.AdapterOffReference): the base model's log-probs, the adapter switched off,
-        dealt and padded with stand-ins as a reference rank's (ReferenceActor.log_probs)."""
-        if sizes is None:
-            sizes = fixed_sizes(len(prompt_ids), reference_micro_batch_size(self.cfg), forwards)
+        from micro-batches of `sizes` as a reference rank's (ReferenceActor.log_probs)."""
         return self.phases.reference_log_probs(self.setup, self.engine, prompt_ids, response_ids, sizes)
 
     # ------------------------------------------------------------------ weights out

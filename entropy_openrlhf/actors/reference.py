@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from entropy_openrlhf.actors.group import ActorGroup
-from entropy_openrlhf.actors.micro_batches import forward_batches
+from entropy_openrlhf.actors.micro_batches import fixed_sizes, forward_batches
 from entropy_openrlhf.actors.reference_actor import ReferenceActor
 from entropy_openrlhf.config import (
     Config,
@@ -95,8 +95,9 @@ class AdapterOffReference:
 def dealt_log_probs(
     group: ActorGroup, cfg: Config, prompt_ids: list[list[int]], response_ids: list[list[int]], method: str
 ) -> list[list[float]]:
-    """`method` on every rank of `group`, each with its deal of the batch, every rank running the same number of
-    forwards; the answers put back in the batch's order."""
+    """`method` on every rank of `group`, each with its deal of the batch and the sizes of the micro-batches to cut
+    it into (0: a stand-in, so that every rank runs the same number of forwards); the answers put back in the
+    batch's order."""
     n_ranks = len(group.actors)
     budget = reference_max_tokens(cfg)
     if budget:
@@ -104,14 +105,16 @@ def dealt_log_probs(
         lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         ranks = forward_batches(lengths, n_ranks, budget)
         orders = [[i for micro in rank for i in micro] for rank in ranks]
-        per_rank = [
-            ([prompt_ids[i] for i in order], [response_ids[i] for i in order], len(rank), [len(m) for m in rank])
-            for order, rank in zip(orders, ranks)
-        ]
+        sizes = [[len(m) for m in rank] for rank in ranks]
     else:
-        shards, forwards = deal_micro_batches(len(prompt_ids), reference_micro_batch_size(cfg), n_ranks)
+        micro_batch_size = reference_micro_batch_size(cfg)
+        shards, forwards = deal_micro_batches(len(prompt_ids), micro_batch_size, n_ranks)
         orders = [list(range(start, end)) for start, end in shards]
-        per_rank = [(prompt_ids[start:end], response_ids[start:end], forwards) for start, end in shards]
+        sizes = [fixed_sizes(end - start, micro_batch_size, forwards) for start, end in shards]
+    per_rank = [
+        ([prompt_ids[i] for i in order], [response_ids[i] for i in order], rank_sizes)
+        for order, rank_sizes in zip(orders, sizes)
+    ]
     parts = group.call_each(method, per_rank, timeout_s=cfg.ref.timeout_s, what="--ref.timeout_s")
     out: list[list[float]] = [[] for _ in prompt_ids]
     for order, part in zip(orders, parts):

@@ -30,9 +30,8 @@ import ray
 import torch
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, accelerator_error, local_device_index
-from entropy_openrlhf.actors.micro_batches import fixed_sizes
 from entropy_openrlhf.cluster import set_cpu_defaults
-from entropy_openrlhf.config import Config, reference_micro_batch_size, reference_uses_deepspeed
+from entropy_openrlhf.config import Config, reference_uses_deepspeed
 
 
 @ray.remote
@@ -66,7 +65,6 @@ class ReferenceActor:
         from entropy_openrlhf.actors.reference_model import ReferenceModel
 
         self.cfg, self.rank = cfg, rank
-        self.micro_batch_size = reference_micro_batch_size(cfg)
         t0 = time.time()
         self.ref = ReferenceModel(cfg, model_path, rank, world_size, master_addr, master_port, index, self.zero3)
         self.full_param_elements = self.ref.full_param_elements
@@ -82,18 +80,11 @@ class ReferenceActor:
             )
 
     def log_probs(
-        self,
-        prompt_ids: list[list[int]],
-        response_ids: list[list[int]],
-        forwards: int | None = None,
-        sizes: list[int] | None = None,
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], sizes: list[int]
     ) -> list[list[float]]:
         """One list of per-token log-probs per response, in order, at the sampling temperature as the policy's (the
-        KL term compares the two distributions at T). `forwards`: how many forwards every rank of the group runs
-        (reference.py::dealt_log_probs); this rank pads its own micro-batches up to it with stand-ins. `sizes`: the
-        micro-batches to cut instead of --ref.micro_batch_size sequences each (a token budget's)."""
-        if sizes is None:
-            sizes = fixed_sizes(len(prompt_ids), self.micro_batch_size, forwards)
+        KL term compares the two distributions at T), from micro-batches of `sizes` sequences (0: a stand-in, so
+        that every rank of the group runs the same number of forwards; reference.py::dealt_log_probs)."""
         return self.ref.log_probs(prompt_ids, response_ids, sizes)
 
     def ready(self) -> dict[str, float]:

@@ -9,7 +9,8 @@ its own and serves them from then on (`RolloutEngine.load_adapter`: a new adapte
 vLLM's prefix cache, keyed by the adapter's name and path, holds no blocks of the old one). vLLM loads adapters
 from paths only; the folder is the engine's, on the engine's node, so no file system is shared.
 
-An engine that Ray restarts comes back serving the base; `engine_back` gives it the last adapter again.
+An engine that Ray restarts comes back serving the base; `engine_back` gives it the last adapter again, also when it
+died during a sync (`WeightSync.load_everywhere`).
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ class AdapterSync(WeightSync):
         t0 = time.time()
         ref = ray.put(files)
         calls = [actor.load_adapter.remote(ref, version) for actor in self.rollout.actors]
-        wait_for_sync(calls, [], f"adapter sync to policy version {version}", self.timeout_s)
-        self.synced, self.rollout.version = (ref, version), version
+
+        def record() -> None:
+            self.synced, self.rollout.version = (ref, version), version
+
+        self.load_everywhere(calls, f"adapter sync to policy version {version}", record)
         return time.time() - t0
 
     def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:

@@ -22,13 +22,7 @@ import time
 import ray
 import torch
 
-from entropy_openrlhf.sync.base import (
-    Engines,
-    Policy,
-    WeightSync,
-    WeightSyncTimeoutError,
-    wait_for_sync,
-)
+from entropy_openrlhf.sync.base import Engines, Policy, WeightSync, WeightSyncTimeoutError
 from entropy_openrlhf.sync.chunks import MB, make_chunks
 
 log = logging.getLogger(__name__)
@@ -114,32 +108,12 @@ class ObjectStoreSync(WeightSync):
         t0 = time.time()
         refs, self.last_chunking = put_chunks(state_dict, self.max_chunk_mb)
         calls = [actor.update_weights.remote(refs, version) for actor in self.rollout.actors]
-        try:
-            wait_for_sync(calls, [], f"weight sync to policy version {version}", self.timeout_s)
-        except ray.exceptions.RayActorError:
-            self._after_engine_death(calls, refs, version, deadline=t0 + self.timeout_s)
-        self.synced, self.rollout.version = (refs, version), version
-        return time.time() - t0
 
-    def _after_engine_death(self, calls: list, refs: list, version: int, deadline: float) -> None:
-        """An engine died during a sync: the others must still finish in time, and the dead ones get the new
-        weights once Ray has restarted them."""
-        dead, stalled = [], []
-        for i, call in enumerate(calls):
-            try:
-                ray.get(call, timeout=max(0.0, deadline - time.time()))
-            except ray.exceptions.RayActorError as e:
-                dead.append((i, type(e).__name__))
-            except ray.exceptions.GetTimeoutError:
-                stalled.append(i)
-        if stalled:
-            raise WeightSyncTimeoutError(
-                f"weight sync to policy version {version} timed out after {self.timeout_s:.1f} s: rollout engine(s) "
-                f"{stalled} of {len(calls)} did not finish loading, and engine(s) {[i for i, _ in dead]} died"
-            )
-        self.synced, self.rollout.version = (refs, version), version
-        for i, name in dead:
-            self.rollout.recover(i, f"died during the weight sync to policy version {version} ({name})", died=True)
+        def record() -> None:
+            self.synced, self.rollout.version = (refs, version), version
+
+        self.load_everywhere(calls, f"weight sync to policy version {version}", record)
+        return time.time() - t0
 
     def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:
         if not reload or engine_version == self.rollout.version:

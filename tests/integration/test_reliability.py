@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from entropy_openrlhf.samples import PromptItem
+from entropy_openrlhf.sync.adapter import AdapterSync
 from entropy_openrlhf.sync.collective import CollectiveSync
 from entropy_openrlhf.sync.object_store import ObjectStoreSync
 
@@ -53,10 +54,19 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
 
 
+LORA_RANK = 8
+
+
+def engine_options(method: str) -> dict:
+    """What the engines need for `method`: the adapter sync serves a LoRA adapter on the base."""
+    return {"lora_rank": LORA_RANK} if method == "adapter" else {}
+
+
 class Weights:
     """How a test gives the engines new weights, by `--sync.method`: object_store loads a perturbed checkpoint;
     collective trains a real DeepSpeed policy one step and broadcasts it (the group then holds no copy, so a
-    restarted engine gets a fresh export of the policy and the broadcast group is rebuilt around it)."""
+    restarted engine gets a fresh export of the policy and the broadcast group is rebuilt around it); adapter trains
+    a LoRA policy one step and sends its adapter (the sync keeps the last one for restarted engines)."""
 
     def __init__(self, method: str, group, tiny_model: str):
         from safetensors.torch import load_file
@@ -64,34 +74,42 @@ class Weights:
         self.method, self.group, self.policy = method, group, None
         self.original = load_file(f"{tiny_model}/model.safetensors")
         self.weight_sync = ObjectStoreSync(group, timeout_s=120)
-        if method == "collective":
+        if method in ("collective", "adapter"):
             from entropy_openrlhf.actors.policy import PolicyGroup
             from entropy_openrlhf.config import from_args
 
-            cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"],
+            # the adapter starts at zero (B = 0): a larger step moves it enough to change sampled tokens
+            lora = ["--actor.lora_rank", str(LORA_RANK), "--actor.lr", "0.05"] if method == "adapter" else []
+            cfg = from_args(["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3", *lora],
                             {"loss.type": "ppo", "async_.is_correction": "off"})  # fmt: skip
             self.policy = PolicyGroup(cfg, tiny_model)
-            self.weight_sync = CollectiveSync(group, self.policy, timeout_s=120)
+            sync = CollectiveSync if method == "collective" else AdapterSync
+            self.weight_sync = sync(group, self.policy, timeout_s=120)
             self.weight_sync.setup()
 
     def sync(self, version: int) -> None:
         if self.method == "object_store":
             self.weight_sync.update_weights(perturbed(self.original, version), version)
-        else:
-            from tests.integration.test_policy import fixed_batch
+            return
+        from tests.integration.test_policy import fixed_batch
 
-            self.policy.train_step(fixed_batch(seed=version), version)
+        self.policy.train_step(fixed_batch(seed=version), version)
+        if self.method == "collective":
             self.weight_sync.update_weights(version)
+        else:
+            self.weight_sync.publish(version)
+            self.weight_sync.make_current()
 
     def close(self) -> None:
         if self.policy is not None:
             self.policy.shutdown()
 
 
-# Both sync methods: the object store reloads a restarted engine from the chunks it keeps; the collective sync
+# Every sync method: the object store reloads a restarted engine from the chunks it keeps; the collective sync
 # re-exports from the policy and rebuilds its process group on every member (step 4 shows a broadcast reaching
-# the restarted engines through it).
-@pytest.mark.parametrize("method", ["object_store", "collective"])
+# the restarted engines through it); the adapter sync gives it the adapter it keeps. Step 2 kills an engine that
+# the next sync then finds dead: the sync still completes, and the dead engine gets the weights once restarted.
+@pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray_cluster, tiny_model, method):
     import ray
 
@@ -99,7 +117,9 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
 
     prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} + {i + 3}?"), label="") for i in range(4)]
     sampling = dict(n=4, temperature=1.0, top_p=1.0, max_new_tokens=32, seed=11)
-    group = RolloutGroup(tiny_model, num_engines=2, num_cpus_per_engine=1, seed=0, max_model_len=512)
+    group = RolloutGroup(
+        tiny_model, num_engines=2, num_cpus_per_engine=1, seed=0, max_model_len=512, **engine_options(method)
+    )
     weights = None
     try:
         weights = Weights(method, group, tiny_model)
@@ -170,6 +190,7 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         if weights.policy is not None:  # and they hold the policy's weights
             policy_lp = weights.policy.call_all("forward_log_probs", *ids)[0]
             assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
+        if method == "collective":
             assert weights.weight_sync.rebuilds == 4  # one per restart
         assert group.restarts == early + 3
     finally:
@@ -252,14 +273,16 @@ def make_trainer(tmp_path: Path, *flags: str):
     return cfg, model_path, trainer
 
 
-# Both sync methods: with collective, the restart happens while the trainer thread trains and broadcasts, so the
-# policy's re-export and the group's rebuild run alongside the trainer's own calls to the policy.
-@pytest.mark.parametrize("method", ["object_store", "collective"])
+# Every sync method: with collective, the restart happens while the trainer thread trains and broadcasts, so the
+# policy's re-export and the group's rebuild run alongside the trainer's own calls to the policy; with adapter (a
+# LoRA policy), the producer's adapter load is what the engine is frozen in or about to run.
+@pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
     import ray
 
+    lora = ["--actor.lora_rank", str(LORA_RANK)] if method == "adapter" else []
     cfg, _, trainer = make_trainer(
-        tmp_path, "--train.num_steps", "4", "--async.max_staleness", "1", "--sync.method", method
+        tmp_path, "--train.num_steps", "4", "--async.max_staleness", "1", "--sync.method", method, *lora
     )
     pid = engine_pid(trainer.rollout.actors[0])
 
@@ -294,13 +317,15 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
         trainer.shutdown_groups()
 
 
-# Both sync methods: the object store's load runs in the producer thread, the broadcast in the trainer's.
-@pytest.mark.parametrize("method", ["object_store", "collective"])
+# Every sync method: the object store's and the adapter's loads run in the producer thread, the broadcast in the
+# trainer's.
+@pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_path, method):
     timeout_s = 5.0
+    lora = ["--actor.lora_rank", str(LORA_RANK)] if method == "adapter" else []
     _, _, trainer = make_trainer(
         tmp_path, "--train.num_steps", "3", "--async.max_staleness", "0", "--sync.timeout_s", str(timeout_s),
-        "--sync.method", method,
+        "--sync.method", method, *lora,
     )  # fmt: skip
     pid = engine_pid(trainer.rollout.actors[0])
     train_step = trainer.policy.train_step
@@ -321,9 +346,8 @@ def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_p
         waited = time.monotonic() - frozen["at"]
         message = f"{type(error.value).__name__}: {error.value}"
         assert "WeightSyncTimeoutError" in message
-        assert (
-            f"weight sync to policy version 1 timed out after {timeout_s:.1f} s: rollout engine(s) [0] of 1" in message
-        )
+        what = "adapter sync" if method == "adapter" else "weight sync"
+        assert f"{what} to policy version 1 timed out after {timeout_s:.1f} s: rollout engine(s) [0] of 1" in message
         assert timeout_s <= waited < timeout_s + 60  # the sync's own deadline ended the run; no hang
     finally:
         os.kill(pid, signal.SIGCONT)

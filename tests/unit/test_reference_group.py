@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from entropy_openrlhf.actors.reference import deal_micro_batches
+from entropy_openrlhf.actors.reference import deal_micro_batches, dealt_log_probs
 from entropy_openrlhf.actors.reference_model import reference_ds_config
 from entropy_openrlhf.cluster_fit import group_needs
 from entropy_openrlhf.config import (
@@ -142,3 +142,41 @@ def test_ds_config_is_openrlhf_s_eval_config_at_stage_3(offload):
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
     assert ds["bf16"] == {"enabled": True} and ds["train_micro_batch_size_per_gpu"] == 2
     assert reference_ds_config(64, False, 2, offload)["bf16"] == {"enabled": False}
+
+
+class EchoGroup:
+    """A reference group's driver-facing side without Ray: each rank answers with the prompt it got in each of its
+    micro-batches' places, and keeps what it was sent."""
+
+    def __init__(self, n_ranks: int):
+        self.actors = [object()] * n_ranks
+        self.sent: list[tuple] = []
+
+    def call_each(self, method: str, per_rank, *, timeout_s=None, what=""):
+        self.sent = list(per_rank)
+        return [[[float(p[0])] for p in prompts] for prompts, _, _ in per_rank]
+
+
+@pytest.mark.parametrize("budget", [0, 9])
+@pytest.mark.parametrize("n_ranks", [1, 2, 3])
+def test_dealt_log_probs_sends_every_rank_its_micro_batch_sizes_and_puts_the_answers_in_order(budget, n_ranks):
+    # 7 sequences of 3 to 6 tokens: by sequences (2 each) or by a budget of 9 tokens
+    cfg = from_args([*ON, "--ref.micro_batch_size", "2", "--ref.max_tokens_per_micro_batch", str(budget)])
+    prompts = [[i] for i in range(7)]
+    responses = [[0] * (2 + i % 4) for i in range(7)]
+    group = EchoGroup(n_ranks)
+    out = dealt_log_probs(group, cfg, prompts, responses, "log_probs")
+    assert out == [[float(i)] for i in range(7)]  # every answer back in the batch's place
+    forwards = {len(sizes) for _, _, sizes in group.sent}
+    assert len(forwards) == 1  # every rank runs the same number of forwards
+    for rank_prompts, rank_responses, sizes in group.sent:
+        assert sum(sizes) == len(rank_prompts) == len(rank_responses)
+        if budget:  # no micro-batch over the budget (one sequence alone may be)
+            start = 0
+            for size in sizes:
+                lengths = [1 + len(r) for r in rank_responses[start : start + size]]
+                assert size <= 1 or sum(lengths) <= budget
+                start += size
+        else:
+            assert all(0 <= size <= 2 for size in sizes)
+    assert sorted(p[0] for rank_prompts, _, _ in group.sent for p in rank_prompts) == list(range(7))
