@@ -182,6 +182,10 @@ else
 fi
 
 if [[ -n "${REPRO_DRY_RUN:-}" ]]; then exit 0; fi  # the commands were printed; nothing ran, nothing to plot
+if [[ " $METHODS " == *" explore_"* ]]; then
+    # the exploration experiment's analysis, fixed before its runs (an error while fewer than two pairs are in)
+    .venv/bin/python -m study.explore --runs "$RUNS" | tee "$OUT/results_explore.txt" || true
+fi
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()

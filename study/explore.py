@@ -1,0 +1,208 @@
+"""The exploration experiment's analysis, exactly as fixed before its runs (study/notebook.md, "The exploration
+experiment, fixed in advance"): GRPO and KL-Cov paired by seed, every run evaluated on one shared held-out set with
+64 samples per prompt, and the base model evaluated once on the same set.
+
+    python -m study.explore                       # study/runs/explore_{grpo,kl_cov}_seed<N>, explore_base
+    python -m study.explore --runs other/runs --base other/runs/explore_base/metrics.json
+
+Printed:
+- the primary endpoint: pass@32 of the final weights, KL-Cov minus GRPO over the seed pairs, with its t-interval,
+  the t-test's p and the exact sign test's p;
+- the five secondary endpoints as one Holm family: each arm's pass@32 minus the base model's (one number, so a
+  one-sample t over that arm's runs), the paired differences in pass@1 and pass@64, and the paired log ratio of
+  entropy over the last ten steps;
+- the same pass@k at the midway evaluation (step 25), described and not tested;
+- every pair's numbers, seed by seed.
+
+With fewer pairs than the design's seven the report says so on its first line: the design reports nothing until all
+seven pairs are in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from study.inference import fmt_p
+from study.runs import ENTROPY_KEY, Run
+from study.stats import Estimate, holm, mean_interval, sign_test_p, t_test_p
+
+ARMS = ("explore_grpo", "explore_kl_cov")  # the baseline first: differences are the second minus the first
+PAIRS_PLANNED = 7
+PRIMARY_K = 32
+SECONDARY_KS = (1, 64)
+LAST = 10  # entropy is averaged over the last ten steps
+SEED_DIR = re.compile(r"(explore_\w+?)_seed(\d+)")
+
+
+class Test(NamedTuple):
+    """One endpoint: its name, the differences it is computed from, the estimate and the two p-values."""
+
+    name: str
+    differences: np.ndarray
+    estimate: Estimate
+    t_p: float | None
+    sign_p: float | None
+
+
+def test(name: str, differences: list[float], bounds: tuple[float, float]) -> Test:
+    d = np.asarray(differences, dtype=float)
+    return Test(name, d, mean_interval(d, bounds), t_test_p(d), sign_test_p(d))
+
+
+def evaluations(run: Run, k: int) -> list[tuple[float, float]]:
+    """[(step, eval/pass@k)] of every evaluation of the run, in step order (empty when it logged none)."""
+    s = run.series(f"eval/pass@{k}")
+    return [] if s is None else [(float(a), float(b)) for a, b in zip(*s)]
+
+
+def final_and_midway(run: Run, k: int) -> tuple[float, float | None]:
+    """pass@k of the run's final weights (its last evaluation) and of the evaluation before it (step 25)."""
+    found = evaluations(run, k)
+    if not found:
+        raise ValueError(f"{run.source}: no eval/pass@{k} logged (was the run evaluated on the held-out set?)")
+    return found[-1][1], (found[-2][1] if len(found) > 1 else None)
+
+
+def final_entropy(run: Run) -> float:
+    s = run.series(ENTROPY_KEY)
+    if s is None:
+        raise ValueError(f"{run.source}: no {ENTROPY_KEY} logged")
+    return float(np.mean(s[1][-LAST:]))
+
+
+def find_pairs(runs_dir: Path) -> dict[int, dict[str, Run]]:
+    """{seed: {arm: run}} for every seed that both arms have a metrics.jsonl for, seeds ascending."""
+    found: dict[int, dict[str, Run]] = {}
+    for path in sorted(runs_dir.glob("explore_*_seed*/metrics.jsonl")):
+        match = SEED_DIR.fullmatch(path.parent.name)
+        if match and match.group(1) in ARMS:
+            found.setdefault(int(match.group(2)), {})[match.group(1)] = Run(path.parent, seed=match.group(2))
+    return {seed: arms for seed, arms in sorted(found.items()) if len(arms) == len(ARMS)}
+
+
+def read_base(path: Path) -> dict[int, float]:
+    """{k: the base model's eval/pass@k} from scripts/evaluate.py's --eval.output_json."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the base model's evaluation is missing (study/reproduce.sh runs it first)")
+    values = json.loads(path.read_text())
+    return {int(m.group(1)): float(v) for name, v in values.items() if (m := re.fullmatch(r"eval/pass@(\d+)", name))}
+
+
+class Analysis(NamedTuple):
+    seeds: list[int]
+    primary: Test
+    secondary: list[Test]
+    holm_p: list[float]
+    midway: list[tuple[str, Estimate, Estimate, Estimate]]  # (pass@k, grpo, kl_cov, difference)
+    per_seed: list[dict[str, float]]
+
+
+def analyse(pairs: dict[int, dict[str, Run]], base: dict[int, float]) -> Analysis:
+    grpo, kl = ARMS
+    missing = [k for k in (PRIMARY_K, *SECONDARY_KS) if k not in base]
+    if missing:
+        raise ValueError(f"the base model's evaluation has no pass@{missing[0]}")
+    rows = []
+    for seed, arms in pairs.items():
+        row: dict[str, float] = {"seed": seed}
+        for arm in ARMS:
+            for k in (PRIMARY_K, *SECONDARY_KS):
+                row[f"{arm}:final@{k}"], row[f"{arm}:mid@{k}"] = final_and_midway(arms[arm], k)
+            row[f"{arm}:entropy"] = final_entropy(arms[arm])
+        rows.append(row)
+
+    def diff(key: str) -> list[float]:
+        return [r[f"{kl}:{key}"] - r[f"{grpo}:{key}"] for r in rows]
+
+    primary = test(f"pass@{PRIMARY_K}, KL-Cov - GRPO", diff(f"final@{PRIMARY_K}"), (-1.0, 1.0))
+    secondary = [
+        test(f"pass@{PRIMARY_K}, GRPO - base", [r[f"{grpo}:final@{PRIMARY_K}"] - base[PRIMARY_K] for r in rows],
+             (-1.0, 1.0)),
+        test(f"pass@{PRIMARY_K}, KL-Cov - base", [r[f"{kl}:final@{PRIMARY_K}"] - base[PRIMARY_K] for r in rows],
+             (-1.0, 1.0)),
+        *(test(f"pass@{k}, KL-Cov - GRPO", diff(f"final@{k}"), (-1.0, 1.0)) for k in SECONDARY_KS),
+        test(f"ln(entropy KL-Cov / GRPO), last {LAST} steps",
+             [math.log(r[f"{kl}:entropy"]) - math.log(r[f"{grpo}:entropy"]) for r in rows], (-math.inf, math.inf)),
+    ]  # fmt: skip
+    # a p-value is None only when no pair differs: such a test cannot reject, so it enters Holm's family at 1
+    holm_p = holm([1.0 if t.t_p is None else t.t_p for t in secondary])
+    midway = []
+    for k in (1, PRIMARY_K, 64):
+        values = [[r[f"{arm}:mid@{k}"] for r in rows] for arm in ARMS]
+        if all(v is not None for arm_values in values for v in arm_values):
+            midway.append((
+                f"pass@{k}", mean_interval(values[0], (0.0, 1.0)), mean_interval(values[1], (0.0, 1.0)),
+                mean_interval(np.subtract(values[1], values[0]), (-1.0, 1.0)),
+            ))  # fmt: skip
+    return Analysis(list(pairs), primary, secondary, holm_p, midway, rows)
+
+
+def fmt_estimate(e: Estimate, spec: str = "+.3f") -> str:
+    """Mean [low, high], a bound cut to the quantity's range marked with the interval as computed."""
+    if e.low is None:
+        return f"{e.mean:{spec}} (one value, no interval)"
+    cut = f" (cut; uncut {e.low_uncut:{spec}}, {e.high_uncut:{spec}})" if e.low_cut or e.high_cut else ""
+    return f"{e.mean:{spec}} [{e.low:{spec}}, {e.high:{spec}}]{cut}"
+
+
+def report(a: Analysis, base: dict[int, float]) -> list[str]:
+    n = len(a.seeds)
+    lines = []
+    if n < PAIRS_PLANNED:
+        lines.append(f"PRELIMINARY: {n} of the {PAIRS_PLANNED} planned pairs (seeds {a.seeds}); the design reports "
+                     f"nothing until all {PAIRS_PLANNED} are in.")  # fmt: skip
+    lines += [
+        f"The exploration experiment: {n} seed pairs (seeds {', '.join(map(str, a.seeds))}); base model pass@1 "
+        f"{base[1]:.3f}, pass@{PRIMARY_K} {base[PRIMARY_K]:.3f}, pass@64 {base[64]:.3f}",
+        "",
+        "Primary endpoint (final weights), mean [95% t-interval], t-test p, exact sign test p:",
+        f"  {a.primary.name}: {fmt_estimate(a.primary.estimate)}  t p = {fmt_p(a.primary.t_p)}  "
+        f"sign p = {fmt_p(a.primary.sign_p)}  ({int(np.sum(a.primary.differences > 0))} of {n} pairs above 0)",
+        "",
+        "Secondary endpoints, one Holm family of five:",
+    ]
+    for t, adjusted in zip(a.secondary, a.holm_p):
+        lines.append(f"  {t.name}: {fmt_estimate(t.estimate)}  t p = {fmt_p(t.t_p)}  Holm p = {fmt_p(adjusted)}  "
+                     f"sign p = {fmt_p(t.sign_p)}")  # fmt: skip
+    if a.midway:
+        lines += ["", "Midway (step 25), described, not tested: GRPO, KL-Cov, KL-Cov - GRPO"]
+        for name, g, k, d in a.midway:
+            lines.append(f"  {name}: {fmt_estimate(g, '.3f')}, {fmt_estimate(k, '.3f')}, {fmt_estimate(d)}")
+    grpo, kl = ARMS
+    lines += ["", f"Per seed: pass@{PRIMARY_K} GRPO / KL-Cov (final), entropy GRPO / KL-Cov (last {LAST} steps)"]
+    for r in a.per_seed:
+        g32, k32 = r[f"{grpo}:final@{PRIMARY_K}"], r[f"{kl}:final@{PRIMARY_K}"]
+        g_h, k_h = r[f"{grpo}:entropy"], r[f"{kl}:entropy"]
+        lines.append(f"  seed {int(r['seed'])}: {g32:.3f} / {k32:.3f}   {g_h:.3f} / {k_h:.3f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default="study/runs", help="the folder holding explore_<arm>_seed<N>/metrics.jsonl")
+    p.add_argument("--base", default="", help="the base model's metrics.json (default: <runs>/explore_base/...)")
+    args = p.parse_args(argv)
+    runs = Path(args.runs)
+    base_path = Path(args.base) if args.base else runs / "explore_base" / "metrics.json"
+    try:
+        base = read_base(base_path)
+        pairs = find_pairs(runs)
+        if len(pairs) < 2:
+            raise ValueError(f"{runs}: {len(pairs)} complete seed pair(s) of {' and '.join(ARMS)}; the tests need two")
+        print("\n".join(report(analyse(pairs, base), base)))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

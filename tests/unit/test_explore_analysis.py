@@ -1,0 +1,117 @@
+"""study/explore.py, the exploration experiment's analysis fixed before its runs, on synthetic runs whose answers
+are computed here independently (scipy's one-sample t and binomial tests, Holm by hand)."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from study import explore
+
+KS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def write_run(folder: Path, entropy: list[float], final: dict[int, float], midway: dict[int, float]) -> None:
+    """50 training steps, evaluated at step 25 and on the final weights (step 50), as the experiment's runs."""
+    folder.mkdir(parents=True)
+    rows = [{"step": s, "entropy/seq_mean": h, "reward/acc": 0.1} for s, h in enumerate(entropy)]
+    rows[25].update({f"eval/pass@{k}": v for k, v in midway.items()})
+    rows.append({"step": 50, **{f"eval/pass@{k}": v for k, v in final.items()}})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def curve(k_scale: float) -> dict[int, float]:
+    return {k: min(1.0, k_scale * math.log2(2 * k) / 7) for k in KS}
+
+
+@pytest.fixture
+def experiment(tmp_path: Path) -> dict:
+    rng = np.random.default_rng(3)
+    names = ("grpo32", "kl32", "grpo_h", "kl_h", "kl1", "grpo1", "kl64", "grpo64", "grpo32_mid", "kl32_mid")
+    truth: dict[str, list[float]] = {name: [] for name in names}
+    for seed in range(1, 8):
+        g, k = 0.5 + 0.05 * rng.standard_normal(), 0.5 + 0.05 * rng.standard_normal() + 0.04
+        g_h, k_h = 0.3 + 0.02 * seed, 0.6 + 0.03 * rng.standard_normal()
+        g_curve, k_curve = curve(g), curve(k)
+        g_mid, k_mid = curve(0.9 * g), curve(0.8 * k)
+        write_run(tmp_path / f"explore_grpo_seed{seed}", [1.0] * 40 + [g_h] * 10, g_curve, g_mid)
+        write_run(tmp_path / f"explore_kl_cov_seed{seed}", [1.0] * 40 + [k_h] * 10, k_curve, k_mid)
+        truth["grpo32_mid"].append(g_mid[32]), truth["kl32_mid"].append(k_mid[32])
+        truth["grpo32"].append(g_curve[32]), truth["kl32"].append(k_curve[32])
+        truth["grpo1"].append(g_curve[1]), truth["kl1"].append(k_curve[1])
+        truth["grpo64"].append(g_curve[64]), truth["kl64"].append(k_curve[64])
+        truth["grpo_h"].append(g_h), truth["kl_h"].append(k_h)
+    write_run(tmp_path / "explore_grpo_seed8", [1.0] * 50, curve(0.5), curve(0.5))  # no KL-Cov partner: left out
+    (tmp_path / "explore_base").mkdir()
+    base = {f"eval/pass@{k}": v for k, v in curve(0.45).items()}
+    (tmp_path / "explore_base" / "metrics.json").write_text(json.dumps({**base, "eval/acc": 0.1}))
+    return {"dir": tmp_path, "base": curve(0.45), **{k: np.array(v) for k, v in truth.items()}}
+
+
+def test_the_primary_endpoint_is_the_paired_pass32_difference_with_t_and_sign_tests(experiment):
+    pairs = explore.find_pairs(experiment["dir"])
+    assert list(pairs) == [1, 2, 3, 4, 5, 6, 7]  # seed 8 has one arm only
+    a = explore.analyse(pairs, explore.read_base(experiment["dir"] / "explore_base" / "metrics.json"))
+    d = experiment["kl32"] - experiment["grpo32"]
+    assert a.primary.estimate.mean == pytest.approx(d.mean())
+    half = stats.t.ppf(0.975, 6) * d.std(ddof=1) / math.sqrt(7)
+    assert a.primary.estimate.low == pytest.approx(d.mean() - half)
+    assert a.primary.estimate.high == pytest.approx(d.mean() + half)
+    assert a.primary.t_p == pytest.approx(stats.ttest_1samp(d, 0).pvalue)
+    above = int(np.sum(d > 0))
+    assert a.primary.sign_p == pytest.approx(stats.binomtest(above, 7, 0.5).pvalue)
+
+
+def test_the_secondary_family_is_holm_corrected_over_its_five_tests(experiment):
+    a = explore.analyse(explore.find_pairs(experiment["dir"]),
+                        explore.read_base(experiment["dir"] / "explore_base" / "metrics.json"))  # fmt: skip
+    base32 = experiment["base"][32]
+    expected = [
+        experiment["grpo32"] - base32,  # one-sample against the base model's single number
+        experiment["kl32"] - base32,
+        experiment["kl1"] - experiment["grpo1"],
+        experiment["kl64"] - experiment["grpo64"],
+        np.log(experiment["kl_h"]) - np.log(experiment["grpo_h"]),  # entropy over the last ten steps
+    ]
+    p = [stats.ttest_1samp(d, 0).pvalue for d in expected]
+    for t, d, want in zip(a.secondary, expected, p):
+        assert t.estimate.mean == pytest.approx(d.mean())
+        assert t.t_p == pytest.approx(want)
+    order = np.argsort(p)
+    by_hand = [0.0] * 5
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (5 - rank) * p[i]))
+        by_hand[i] = running
+    assert a.holm_p == pytest.approx(by_hand)
+
+
+def test_the_midway_evaluation_is_described_from_step_25(experiment):
+    a = explore.analyse(explore.find_pairs(experiment["dir"]),
+                        explore.read_base(experiment["dir"] / "explore_base" / "metrics.json"))  # fmt: skip
+    name, grpo, kl, diff = next(m for m in a.midway if m[0] == "pass@32")
+    assert grpo.mean == pytest.approx(experiment["grpo32_mid"].mean())
+    assert kl.mean == pytest.approx(experiment["kl32_mid"].mean())
+    assert diff.mean == pytest.approx((experiment["kl32_mid"] - experiment["grpo32_mid"]).mean())
+
+
+def test_the_report_marks_fewer_pairs_than_planned_as_preliminary(experiment, capsys):
+    for seed in (6, 7):
+        (experiment["dir"] / f"explore_kl_cov_seed{seed}" / "metrics.jsonl").unlink()
+    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PRELIMINARY: 5 of the 7 planned pairs (seeds [1, 2, 3, 4, 5])")
+    assert "Holm p" in out and "sign p" in out
+
+
+def test_missing_base_or_pass_at_k_is_one_clear_error(experiment, capsys):
+    (experiment["dir"] / "explore_base" / "metrics.json").unlink()
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2
+    assert "explore_base/metrics.json: the base model's evaluation is missing" in capsys.readouterr().err
+    folder = experiment["dir"] / "explore_base"
+    folder.joinpath("metrics.json").write_text(json.dumps({"eval/pass@32": 0.4, "eval/pass@64": 0.5}))
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2
+    assert "the base model's evaluation has no pass@1" in capsys.readouterr().err
