@@ -132,6 +132,25 @@ def _stop_on_sigterm(signum: int, frame) -> None:
     raise StopRequested(signal.Signals(signum).name)
 
 
+def signal_behind(error: BaseException) -> StopRequested | KeyboardInterrupt | None:
+    """The StopRequested or KeyboardInterrupt that `error` was raised from, directly or further back, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (StopRequested, KeyboardInterrupt)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _stopped_by(signal_error: StopRequested | KeyboardInterrupt, trainer: Trainer) -> tuple[int, str]:
+    """The exit code and the first words of the stop's last line."""
+    name = "SIGTERM" if isinstance(signal_error, StopRequested) else "SIGINT"
+    when = f"during step {trainer.step_in_progress}" if hasattr(trainer, "step_in_progress") else "at start-up"
+    code = 143 if isinstance(signal_error, StopRequested) else 130  # 128 + the signal's number, as a shell reports it
+    return code, f"[entropy-openrlhf] stopped by {name} {when}"
+
+
 def resume_command(pipeline: str, argv: list[str]) -> str:
     """The command that continues this run: the same flags, with `--train.resume true`."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else f"pipelines/{pipeline}.py"
@@ -230,10 +249,14 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
     except NodeLostError as e:
         code, stopped = 1, f"error: {e}"
     except (StopRequested, KeyboardInterrupt) as e:
-        name = "SIGTERM" if isinstance(e, StopRequested) else "SIGINT"
-        when = f"during step {trainer.step_in_progress}" if hasattr(trainer, "step_in_progress") else "at start-up"
-        code = 143 if isinstance(e, StopRequested) else 130  # 128 + the signal's number, as a shell reports it
-        stopped = f"[entropy-openrlhf] stopped by {name} {when}"
+        code, stopped = _stopped_by(e, trainer)
+    except SystemError as e:
+        # a signal handled while the driver waits inside one of Ray's Cython calls (CoreWorker.wait, seen when a
+        # SIGTERM reached an evaluation) comes out as a SystemError raised from our StopRequested: the same stop
+        signal_error = signal_behind(e)
+        if signal_error is None:
+            raise
+        code, stopped = _stopped_by(signal_error, trainer)
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now would cut the clean-up short

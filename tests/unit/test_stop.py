@@ -14,7 +14,7 @@ from entropy_openrlhf.cluster import LostNode, lost_nodes
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint
 from entropy_openrlhf.pipeline.faults import NodeLostError
-from entropy_openrlhf.pipeline.run import StopRequested, resume_command
+from entropy_openrlhf.pipeline.run import StopRequested, resume_command, signal_behind
 from entropy_openrlhf.pipeline.trainer import Trainer
 
 
@@ -134,3 +134,25 @@ def test_node_lost_verdict_is_awaited_only_after_a_call_to_an_unreachable_actor(
     watch = WatchStub([])
     watch.lost = [b]
     assert trainer._lost_nodes_behind(ValueError("a collective broken by the lost peer"), watch) == [b]
+
+
+def raised_inside(inner: BaseException, outer: type[BaseException]) -> BaseException:
+    """`outer` raised while `inner` was being handled, as Ray's Cython wait turns a signal handler's exception into
+    a SystemError (seen on a SIGTERM during an evaluation)."""
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise outer("returned a result with an exception set") from e
+    except BaseException as e:
+        return e
+
+
+def test_a_signal_behind_a_system_error_is_found_as_the_stop_it_was():
+    stop = StopRequested("SIGTERM")
+    assert signal_behind(raised_inside(stop, SystemError)) is stop
+    interrupt = KeyboardInterrupt()
+    assert signal_behind(raised_inside(interrupt, SystemError)) is interrupt
+    assert signal_behind(stop) is stop
+    assert signal_behind(SystemError("a real one")) is None  # re-raised by the driver, not taken for a stop
+    assert signal_behind(raised_inside(ValueError("x"), SystemError)) is None
