@@ -95,11 +95,7 @@ class AdapterSync(WeightSync):
         t0 = time.time()
         ref = ray.put(files)
         calls = [actor.load_adapter.remote(ref, version) for actor in self.rollout.actors]
-
-        def record() -> None:
-            self.synced, self.rollout.version = (ref, version), version
-
-        self.load_everywhere(calls, f"adapter sync to policy version {version}", record)
+        self.load_everywhere(calls, ref, version, f"adapter sync to policy version {version}")
         return time.time() - t0
 
     def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:

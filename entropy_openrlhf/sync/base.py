@@ -199,32 +199,31 @@ class WeightSync(ABC):
         """`on_policy` without the wait: one ref per rank, for a caller that waits on them with the engines'."""
         return self.policy.call_all_async("sync", self.method, op, *args)
 
-    def load_everywhere(self, calls: list[ray.ObjectRef], what: str, record: Callable[[], None]) -> None:
-        """Wait for every engine's load call of one sync (`what`, e.g. "weight sync to policy version 3"), then
-        `record()` the sync as the engines' current one. An engine that dies meanwhile does not fail the sync: the
-        others must still finish within `timeout_s`, and the dead ones are given the recorded weights once Ray has
-        restarted them (`engine_back`, through the rollout group's `recover`)."""
+    def load_everywhere(self, calls: list[ray.ObjectRef], kept: Any, version: int, what: str) -> None:
+        """Wait for every engine's load call of the sync to `version` (`what`, e.g. "weight sync to policy version
+        3"), then record it: `self.synced` = (`kept`, the copy a restarted engine is reloaded from; version), and the
+        engines' version. An engine that dies meanwhile does not fail the sync: the others must still finish within
+        `timeout_s`, and the dead ones are reloaded from `kept` once Ray has restarted them (`engine_back`, through
+        the rollout group's `recover`)."""
         deadline = time.time() + self.timeout_s
+        dead: list[tuple[int, str]] = []  # (engine, the error its call raised)
         try:
             wait_for_sync(calls, [], what, self.timeout_s)
-            record()
-            return
         except ray.exceptions.RayActorError:
-            pass
-        dead, stalled = [], []
-        for i, call in enumerate(calls):
-            try:
-                ray.get(call, timeout=max(0.0, deadline - time.time()))
-            except ray.exceptions.RayActorError as e:
-                dead.append((i, type(e).__name__))
-            except ray.exceptions.GetTimeoutError:
-                stalled.append(i)
-        if stalled:
-            raise WeightSyncTimeoutError(
-                f"{what} timed out after {self.timeout_s:.1f} s: rollout engine(s) {stalled} of {len(calls)} did not "
-                f"finish loading, and engine(s) {[i for i, _ in dead]} died"
-            )
-        record()
+            stalled = []
+            for i, call in enumerate(calls):
+                try:
+                    ray.get(call, timeout=max(0.0, deadline - time.time()))
+                except ray.exceptions.RayActorError as e:
+                    dead.append((i, type(e).__name__))
+                except ray.exceptions.GetTimeoutError:
+                    stalled.append(i)
+            if stalled:
+                raise WeightSyncTimeoutError(
+                    f"{what} timed out after {self.timeout_s:.1f} s: rollout engine(s) {stalled} of {len(calls)} did "
+                    f"not finish loading, and engine(s) {[i for i, _ in dead]} died"
+                ) from None
+        self.synced, self.rollout.version = (kept, version), version
         for i, name in dead:
             self.rollout.recover(i, f"died during the {what} ({name})", died=True)
 

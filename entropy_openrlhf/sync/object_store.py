@@ -108,11 +108,7 @@ class ObjectStoreSync(WeightSync):
         t0 = time.time()
         refs, self.last_chunking = put_chunks(state_dict, self.max_chunk_mb)
         calls = [actor.update_weights.remote(refs, version) for actor in self.rollout.actors]
-
-        def record() -> None:
-            self.synced, self.rollout.version = (refs, version), version
-
-        self.load_everywhere(calls, f"weight sync to policy version {version}", record)
+        self.load_everywhere(calls, refs, version, f"weight sync to policy version {version}")
         return time.time() - t0
 
     def engine_back(self, i: int, why: str, engine_version: int, restarted: bool, reload: bool) -> None:
