@@ -71,9 +71,10 @@ _DAPO_COMMON: dict[str, Any] = {
     "train.save_every": 32,
     # systems: bf16, ZeRO-3 with gradient checkpointing (the recipe: FSDP with checkpointing). One sequence per
     # micro-batch: a full-length one is 10240 tokens, and the trainer materialises its (tokens x 152k vocab)
-    # logits in fp32, about 6 GB, plus their gradient; the recipe's token budget (30720 for 7B, 20480 for 32B per
-    # GPU) relies on fused kernels this trainer does not have. Raise it, or form micro-batches by tokens
-    # (--train.max_tokens_per_micro_batch), when responses stay short.
+    # logits; with their fp32 copy and gradient about 1.8 MiB per token at the step's peak, 18 GiB here (measured
+    # on a GPU: benchmarks/long_responses.py, docs/guides/cluster.md). The recipe's token budget (30720 for 7B,
+    # 20480 for 32B per GPU) relies on fused kernels this trainer does not have. Raise it, or form micro-batches by
+    # tokens (--train.max_tokens_per_micro_batch), when responses stay short.
     "model.dtype": "bf16",
     "actor.zero_stage": 3,
     "actor.gradient_checkpointing": True,

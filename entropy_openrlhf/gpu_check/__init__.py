@@ -104,4 +104,6 @@ def run_checks(device: str, model: str, dtype: str, only: list[str], plant: str)
             gc.collect()  # the check's models and engines, before the next one loads its own
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # NCCL warns at exit about a group left up
     return checks

@@ -175,7 +175,7 @@ def check_entropy(ctx: Context) -> Check:
     bonus = entropy_bonus(ent, mask.to(ctx.device), coef)
     bonus.backward()
     h_err = max_rel_diff(ctx.planted("entropy", h[valid.to(ctx.device)]), h64)
-    b_err = abs(float(bonus) - float(bonus64)) / abs(float(bonus64))
+    b_err = abs(float(bonus.detach()) - float(bonus64)) / abs(float(bonus64))
     g_err = max_rel_diff(leaf.grad, grad64)
     ok = max(h_err, b_err, g_err) <= tol and bool(torch.isfinite(leaf.grad).all())
     return Check("entropy", ok, (

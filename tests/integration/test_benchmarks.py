@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_benchmark(name: str, *args: str, timeout: int = 900) -> tuple[str, float]:
+def benchmark_stdout(name: str, *args: str, timeout: int = 900) -> str:
+    """What the script printed, once it exited 0."""
     # its own local Ray, not the test session's
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_JOB_ID")} | {"TQDM_DISABLE": "1"}
     result = subprocess.run(
@@ -24,8 +25,16 @@ def run_benchmark(name: str, *args: str, timeout: int = 900) -> tuple[str, float
     )  # fmt: skip
     output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert result.returncode == 0, f"{name} exited {result.returncode}\n{output}"
-    key, _, value = result.stdout.strip().splitlines()[-1].partition(": ")
+    return result.stdout
+
+
+def headline(stdout: str) -> tuple[str, float]:
+    key, _, value = stdout.strip().splitlines()[-1].partition(": ")
     return key, float(value)
+
+
+def run_benchmark(name: str, *args: str, timeout: int = 900) -> tuple[str, float]:
+    return headline(benchmark_stdout(name, *args, timeout=timeout))
 
 
 def test_overlap_async_beats_sync():
@@ -53,3 +62,19 @@ def test_loss_overhead_measures_every_registered_objective():
         "loss_overhead", "--model", "tiny", "--samples", "8", "--repeats", "1", "--loss-repeats", "2"
     )
     assert key == "loss_overhead_max_ratio" and ratio > 0
+
+
+def test_long_responses_twin_runs_the_trainer_step_at_each_length():
+    """The CPU twin of the GPU memory benchmark: the trainer's step at each length, cut by the token budget. With a
+    16-token prompt and a budget of 120, responses of 32 go two to a micro-batch (48 + 48) and responses of 96 one
+    (112), so 4 responses make 2 and then 4 micro-batches of 64 and 96 response tokens at most."""
+    out = benchmark_stdout(
+        "long_responses", "--device", "cpu", "--arch", "tiny", "--lengths", "32,96", "--prompt-len", "16",
+        "--budget", "120",
+    )  # fmt: skip
+    rows = {
+        int(f[0]): (int(f[1]), int(f[2])) for f in (line.split() for line in out.splitlines()) if f and f[0].isdigit()
+    }
+    assert rows == {32: (2, 64), 96: (4, 96)}, out
+    key, peak = headline(out)
+    assert key == "long_responses_peak_gib" and peak > 0
