@@ -16,9 +16,12 @@ fp32 response logits take (tokens x vocab x 4 bytes), which that peak is compare
     python benchmarks/long_responses.py --arch qwen2.5-0.5b --lengths 1024,4096,8192,16384    # a GPU
     python benchmarks/long_responses.py --device cpu --arch tiny --lengths 64,128               # its CPU twin (CI)
 
-The last line is `long_responses_peak_gib: <the step's peak above the model's memory at the longest length>` (on
-the CPU, where torch keeps no peak, the process's resident high-water mark). Exits non-zero when a step was not
-applied or its loss was not finite.
+With `--head-chunks 0,2048` each length runs with the whole output head and with the head in chunks of 2048
+response tokens (`--train.head_chunk_tokens`), on the same tokens.
+
+The last line is `long_responses_peak_gib: <the step's peak above the model's memory in the last row>` (the longest
+length with the last head chunk; on the CPU, where torch keeps no peak, the process's resident high-water mark).
+Exits non-zero when a step was not applied or its loss was not finite.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ ARCHS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # one narrow layer with Qwen's vocabulary: the logits are nearly all of a step's memory, and a CPU runs it
+    "tiny-152k": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, vocab_size=151936, tie_word_embeddings=True),
 }  # fmt: skip
 
 
@@ -56,7 +62,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--budget", type=int, default=0, help="tokens per micro-batch; 0 = one prompt and one response")
     ap.add_argument("--zero-stage", type=int, choices=(2, 3), default=3)
+    ap.add_argument(
+        "--head-chunks",
+        default="0",
+        help="--train.head_chunk_tokens values to run each length with, comma-separated (0 = whole)",
+    )
     args = ap.parse_args(argv)
+    try:
+        args.head_chunks = [int(x) for x in args.head_chunks.split(",")]
+    except ValueError:
+        ap.error(f"--head-chunks {args.head_chunks!r}: comma-separated integers")
+    if min(args.head_chunks) < 0:
+        ap.error(f"--head-chunks {args.head_chunks}: each >= 0 (0 = the whole head)")
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
@@ -78,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from entropy_openrlhf.actors.chunked_head import use_chunked_head
     from entropy_openrlhf.actors.micro_batches import layout_for
     from entropy_openrlhf.actors.policy_engine import build_policy_engine
     from entropy_openrlhf.actors.step_data import TrainSample
@@ -103,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = [
         "--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", str(n), "--train.mini_batches", "1",
         "--actor.micro_batch_size", "1", "--train.max_tokens_per_micro_batch", str(budget),
-        "--rollout.max_new_tokens", str(longest), "--train.num_steps", str(len(args.lengths) + 1),
+        "--rollout.max_new_tokens", str(longest),
+        "--train.num_steps", str((len(args.lengths) + 1) * len(args.head_chunks)),
         "--actor.zero_stage", str(args.zero_stage), "--actor.gradient_checkpointing", "true",
         "--model.dtype", "bf16" if bf16 else "fp32", "--actor.lr", "1e-6",
         # KL-Cov as the 7B and 32B presets run it: tokens selected over the whole mini-batch
@@ -135,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{'bf16' if bf16 else 'fp32'}, ZeRO-{args.zero_stage}, gradient checkpointing; {n} responses of each "
               f"length after a {args.prompt_len}-token prompt, micro-batches of at most {budget} tokens; model and "
               f"optimizer hold {held / GIB:.2f} GiB", flush=True)  # fmt: skip
-        rng = random.Random(0)
 
-        def step(length: int, index: int) -> dict[str, float]:
+        def step(length: int, chunk: int, index: int) -> dict[str, float]:
+            use_chunked_head(engine.module, chunk)
+            rng = random.Random(length)  # the same tokens for every head chunk at this length
             prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
             rows = [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
             # the rollout's log-probs: the starting weights' (on-policy), one response at a time
@@ -165,15 +185,17 @@ def main(argv: list[str] | None = None) -> int:
             return {"micro": len(s.batches), "tokens": max(int(b.mask.sum()) for b in s.batches), "seconds": seconds,
                     "peak": peak, "applied": applied, "loss": result["loss/policy"]}  # fmt: skip
 
-        step(args.lengths[0], 0)  # warm-up: kernels and allocator pools, neither timed nor counted
-        print(f"{'length':>7} {'micro-batches':>13} {'largest':>8} {'step s':>8} {'tokens/s':>9} {'peak GiB':>9} "
-              f"{'logits GiB':>10} {'peak/logits':>11}", flush=True)  # fmt: skip
+        for chunk in args.head_chunks:  # warm-up: kernels and allocator pools, neither timed nor counted
+            step(args.lengths[0], chunk, 0)
+        print(f"{'length':>7} {'head chunk':>10} {'micro-batches':>13} {'largest':>8} {'step s':>8} {'tokens/s':>9} "
+              f"{'peak GiB':>9} {'logits GiB':>10} {'peak/logits':>11}", flush=True)  # fmt: skip
         ok, peak = True, math.nan
-        for i, length in enumerate(args.lengths, start=1):
-            r = step(length, i)
+        runs = [(length, chunk) for length in args.lengths for chunk in args.head_chunks]
+        for i, (length, chunk) in enumerate(runs, start=1):
+            r = step(length, chunk, i)
             logits = r["tokens"] * vocab * 4 / GIB  # one micro-batch's response logits in fp32
             peak = r["peak"] / GIB
-            print(f"{length:>7} {r['micro']:>13} {r['tokens']:>8} {r['seconds']:>8.2f} "
+            print(f"{length:>7} {chunk:>10} {r['micro']:>13} {r['tokens']:>8} {r['seconds']:>8.2f} "
                   f"{n * length / r['seconds']:>9.0f} {peak:>9.2f} {logits:>10.2f} {peak / logits:>11.2f}",
                   flush=True)  # fmt: skip
             ok = ok and r["applied"] and math.isfinite(r["loss"])

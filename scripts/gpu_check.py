@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 # the module's CHECKS, named here so that --help and a bad flag need no DeepSpeed import (a test keeps them equal)
-CHECKS = ("cuda", "forward", "objectives", "entropy", "zero2", "zero3", "off-policy", "imports")
+CHECKS = ("cuda", "forward", "objectives", "entropy", "zero2", "zero3", "head-chunk", "off-policy", "imports")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

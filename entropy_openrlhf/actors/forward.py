@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from entropy_openrlhf.actors.chunked_head import HEAD_CHUNK_ATTR, head_log_probs, last_hidden_states
 from entropy_openrlhf.actors.prefix_packing import ATTENTION_NAME, MODES, PackedBatch, choose_packing, register
 from entropy_openrlhf.algorithms.metrics import token_entropy, token_entropy_with_grad
 from entropy_openrlhf.compat import ensure_flash_attn_importable
@@ -93,6 +94,9 @@ def forward_log_probs(
     is 0. A batch with a packed layout runs on its packed rows, and the results land in this same grid.
     The entropies are detached unless `entropy_grad` (the entropy bonus), which implies `with_entropy`."""
     with_entropy = with_entropy or entropy_grad
+    chunk = getattr(model, HEAD_CHUNK_ATTR, 0)
+    if chunk:
+        return _chunked_log_probs(model, batch, chunk, temperature, with_entropy, entropy_grad)
     if batch.packed is not None:
         return _packed_log_probs(
             model, batch, batch.packed, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
@@ -147,6 +151,31 @@ def _packed_log_probs(
         entropy = log_probs.new_zeros(batch.mask.shape)  # the grid's dtype, as the plain path gives it
         values = token_entropy_with_grad(wide) if entropy_grad else token_entropy(picked)
         entropy[valid] = values.to(entropy.dtype)
+    return log_probs, entropy
+
+
+def _chunked_log_probs(
+    model, batch: SeqBatch, chunk: int, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """forward_log_probs with the head in chunks (chunked_head.py): the decoder's last hidden states of the
+    positions that predict a response token, in the plain or the packed layout, then the head on those alone."""
+    valid = batch.mask.bool()
+    if batch.packed is not None:
+        p = batch.packed
+        hidden = last_hidden_states(model, input_ids=p.input_ids, position_ids=p.position_ids, prefix_layout=p.rows)
+        rows = hidden[p.source_row, p.source_pos]  # (N, H): one row per response token, in the grid's order
+    else:
+        hidden = last_hidden_states(model, input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        rows = hidden[:, :-1][valid]
+    kept, values = head_log_probs(
+        model, rows, batch.input_ids[:, 1:][valid], chunk=chunk, temperature=temperature, entropy_grad=entropy_grad
+    )
+    log_probs = kept.new_zeros(batch.mask.shape)
+    log_probs[valid] = kept
+    entropy = None
+    if with_entropy:
+        entropy = log_probs.new_zeros(batch.mask.shape)
+        entropy[valid] = values
     return log_probs, entropy
 
 

@@ -34,6 +34,7 @@ from transformers.optimization import (
     get_polynomial_decay_schedule_with_warmup,
 )
 
+from entropy_openrlhf.actors.chunked_head import use_chunked_head
 from entropy_openrlhf.actors.lora import apply_lora
 from entropy_openrlhf.config import Config
 from entropy_openrlhf.models.dtype import resolve_dtype
@@ -131,6 +132,7 @@ def build_policy_engine(cfg: Config, model_path: str, world_size: int) -> Policy
     from entropy_openrlhf.actors.forward import use_shared_prefix
 
     use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it; each batch brings its layout
+    use_chunked_head(model, cfg.train.head_chunk_tokens)
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False

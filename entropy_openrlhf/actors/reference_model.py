@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
+from entropy_openrlhf.actors.chunked_head import use_chunked_head
 from entropy_openrlhf.actors.forward import SeqBatch, log_probs_by_micro_batch, make_seq_batch, use_shared_prefix
 from entropy_openrlhf.config import Config, reference_micro_batch_size
 from entropy_openrlhf.models.dtype import resolve_dtype
@@ -60,12 +61,14 @@ class ReferenceModel:
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
             use_shared_prefix(model, cfg.train.shared_prefix)  # before DeepSpeed wraps it, as in the policy
+            use_chunked_head(model, cfg.train.head_chunk_tokens)
             model.config.use_cache = False  # one forward per batch: a KV cache would only hold memory
             self.model, *_ = deepspeed.initialize(model=model, config=ds_config)
             self.device = self.model.device
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
             use_shared_prefix(model, cfg.train.shared_prefix)
+            use_chunked_head(model, cfg.train.head_chunk_tokens)
             model.config.use_cache = False
             self.device = "cpu" if index is None else f"cuda:{index}"
             self.model = model.to(self.device)

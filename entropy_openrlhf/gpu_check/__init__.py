@@ -8,6 +8,8 @@ Ray or vLLM, in a few minutes. Each check prints one PASS or FAIL line with its 
 - zero2, zero3: DeepSpeed ZeRO-2 and ZeRO-3 optimizer steps of the policy on a fixed batch, through the engine
   builder (actors/policy_engine.py) and the step's phases (actors/train_phases.py) that a policy rank runs, on a
   one-rank process group: finite, applied, the batch's policy loss lower, the learning rate on its schedule;
+- head-chunk: the output head in chunks of response tokens (`--train.head_chunk_tokens`) against whole, under
+  ZeRO-3: the same log-probs, the same first optimizer step, the same loss after it;
 - off-policy: every preset of algorithms/off_policy.py `correct` on the device against the CPU's;
 - imports: neither Ray nor vLLM was imported.
 
@@ -44,7 +46,7 @@ from entropy_openrlhf.gpu_check.numerics import (
     check_objectives,
     check_off_policy,
 )
-from entropy_openrlhf.gpu_check.zero import check_zero, start_process_group
+from entropy_openrlhf.gpu_check.zero import check_head_chunk, check_zero, start_process_group
 from entropy_openrlhf.models.smollm2 import ensure_smollm2
 from entropy_openrlhf.models.tiny import make_tiny_model
 
@@ -79,7 +81,7 @@ def run_checks(device: str, model: str, dtype: str, only: list[str], plant: str)
               f"{model} ({path}), {DTYPE_NAMES[work_dtype]} against {DTYPE_NAMES[WIDER[work_dtype]]}; torch "
               f"{torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
               flush=True)  # fmt: skip
-        if any(c.startswith("zero") for c in selected):
+        if any(c.startswith("zero") or c == "head-chunk" for c in selected):
             start_process_group(dev)
         runners: dict[str, Callable[[], Check]] = {
             "cuda": lambda: check_cuda(ctx),
@@ -87,7 +89,10 @@ def run_checks(device: str, model: str, dtype: str, only: list[str], plant: str)
             "objectives": lambda: check_objectives(ctx),
             "entropy": lambda: check_entropy(ctx),
             "zero2": lambda: check_zero(ctx, 2),
-            "zero3": lambda: check_zero(ctx, 3),  # last of the engines: its HfDeepSpeedConfig must not outlive it
+            "zero3": lambda: check_zero(ctx, 3),
+            "head-chunk": lambda: check_head_chunk(
+                ctx
+            ),  # last of the engines: its HfDeepSpeedConfig must not outlive it
             "off-policy": lambda: check_off_policy(ctx),
             "imports": lambda: check_imports(ctx),
         }

@@ -20,7 +20,7 @@ from entropy_openrlhf.actors.train_phases import (
     step_result,
 )
 from entropy_openrlhf.config import Config, from_args
-from entropy_openrlhf.gpu_check.common import DTYPE_NAMES, Check, Context
+from entropy_openrlhf.gpu_check.common import DTYPE_NAMES, TOLERANCES, Check, Context
 from entropy_openrlhf.rendezvous import init_default_group
 
 
@@ -33,9 +33,10 @@ def start_process_group(device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def zero_config(ctx: Context, stage: int) -> Config:
+def zero_config(ctx: Context, stage: int, head_chunk: int = 0) -> Config:
     """A small run's config: 2 prompts x 4 samples per step in 2 mini-batches of 2 micro-batches, 3 steps, the
-    learning rate on a linear schedule down to half (so each optimizer step has its own rate)."""
+    learning rate on a linear schedule down to half (so each optimizer step has its own rate); the output head in
+    chunks of `head_chunk` response tokens (0 = whole)."""
     lr = 1e-3 if ctx.model_name == "tiny" else 2e-5
     flags = [
         "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--train.mini_batches", "2",
@@ -45,6 +46,7 @@ def zero_config(ctx: Context, stage: int) -> Config:
         "--train.shared_prefix", "auto", "--train.seed", str(ctx.seed),
         # ZeRO-3 as the DAPO presets run it: with gradient checkpointing
         "--actor.gradient_checkpointing", "true" if stage == 3 else "false",
+        "--train.head_chunk_tokens", str(head_chunk),
     ]  # fmt: skip
     return from_args(flags)
 
@@ -115,3 +117,53 @@ def check_zero(ctx: Context, stage: int) -> Check:
         ))  # fmt: skip
     finally:
         engine.destroy()  # its hooks and buffers; run_checks then frees the memory
+
+
+def check_head_chunk(ctx: Context, chunk: int = 5) -> Check:
+    """`--train.head_chunk_tokens` under ZeRO-3 with gradient checkpointing: from the same weights, on the same
+    batch, the output head whole and in chunks of `chunk` response tokens (each chunk's head gathered again in the
+    backward) must give the same log-probs in the no-grad pass, the same first optimizer step (its gradient norm; its
+    loss is 0 on policy, with advantages of +1 and -1) and the same policy loss on the batch after it."""
+    tol = TOLERANCES[ctx.dtype]
+    runs: list[tuple[torch.Tensor, float, float]] = []
+    rows: list[tuple[list[int], list[int], float]] = []
+    samples: list[TrainSample] = []
+    for tokens in (0, chunk):
+        cfg = zero_config(ctx, 3, head_chunk=tokens)
+        built = build_policy_engine(cfg, ctx.model_path, world_size=1)
+        engine = built.engine
+        try:
+            setup = RankSetup(cfg, 0, 1, built.pad_id)
+            if not rows:
+                rows = fixed_samples(engine.module.config.vocab_size, ctx.seed)
+            prompts, responses = [p for p, _, _ in rows], [r for _, r, _ in rows]
+            lps = response_log_probs(setup, engine, prompts, responses)
+            if not samples:  # on-policy: the rollout's log-probs are the starting weights' (whole head)
+                samples = [TrainSample(p, r, a, lp) for (p, r, a), lp in zip(rows, lps)]
+            s = prepare_step(setup, engine, samples, 0, 1.0, None)
+            old_log_probs(setup, engine, s, range(len(s.batches)))
+            engine.train()
+            applied = optimizer_step(setup, engine, s, 0, False)
+            result = step_result(s, world_size=1, skipped=int(not applied), lr=s.lr, seconds=0.0)
+            after = response_log_probs(setup, engine, prompts, responses)
+            after_loss = -sum(a * sum(lp) / len(lp) for (_, _, a), lp in zip(rows, after)) / len(rows)
+            flat = torch.tensor([x for lp in lps for x in lp], dtype=torch.float64)
+            runs.append((flat, result.get("train/grad_norm", math.nan), after_loss))
+        finally:
+            engine.destroy()
+    (lp0, norm0, after0), (lp1, norm1, after1) = runs
+    norm1 = ctx.planted("head-chunk", norm1)
+    d = (lp1 - lp0).abs()
+
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / abs(b) if b else math.inf
+
+    errors = (rel(norm1, norm0), rel(after1, after0))
+    ok = float(d.mean()) <= tol.packed_mean and float(d.max()) <= tol.packed_max and max(errors) <= tol.step_rel
+    return Check("head-chunk", ok, (
+        f"ZeRO-3, {DTYPE_NAMES[ctx.dtype]}, {lp0.numel()} response tokens, head in chunks of {chunk} against whole: "
+        f"log-probs mean/max |d| {float(d.mean()):.2g}/{float(d.max()):.2g} "
+        f"(<= {tol.packed_mean:g}/{tol.packed_max:g}); "
+        f"relative difference of the step's gradient norm {errors[0]:.2g}, of the batch's loss after the step "
+        f"{errors[1]:.2g} (<= {tol.step_rel:g})"
+    ))  # fmt: skip

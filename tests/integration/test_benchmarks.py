@@ -64,17 +64,17 @@ def test_loss_overhead_measures_every_registered_objective():
     assert key == "loss_overhead_max_ratio" and ratio > 0
 
 
-def test_long_responses_twin_runs_the_trainer_step_at_each_length():
-    """The CPU twin of the GPU memory benchmark: the trainer's step at each length, cut by the token budget. With a
-    16-token prompt and a budget of 120, responses of 32 go two to a micro-batch (48 + 48) and responses of 96 one
-    (112), so 4 responses make 2 and then 4 micro-batches of 64 and 96 response tokens at most."""
+def test_long_responses_twin_runs_the_trainer_step_at_each_length_with_each_head():
+    """The CPU twin of the GPU memory benchmark: the trainer's step at each length, cut by the token budget, with the
+    whole output head and in chunks. With a 16-token prompt and a budget of 120, responses of 32 go two to a
+    micro-batch (48 + 48) and responses of 96 one (112), so 4 responses make 2 and then 4 micro-batches of 64 and 96
+    response tokens at most."""
     out = benchmark_stdout(
         "long_responses", "--device", "cpu", "--arch", "tiny", "--lengths", "32,96", "--prompt-len", "16",
-        "--budget", "120",
+        "--budget", "120", "--head-chunks", "0,16",
     )  # fmt: skip
-    rows = {
-        int(f[0]): (int(f[1]), int(f[2])) for f in (line.split() for line in out.splitlines()) if f and f[0].isdigit()
-    }
-    assert rows == {32: (2, 64), 96: (4, 96)}, out
+    table = [line.split() for line in out.splitlines()]
+    rows = {(int(f[0]), int(f[1])): (int(f[2]), int(f[3])) for f in table if f and f[0].isdigit()}
+    assert rows == {(32, 0): (2, 64), (32, 16): (2, 64), (96, 0): (4, 96), (96, 16): (4, 96)}, out
     key, peak = headline(out)
     assert key == "long_responses_peak_gib" and peak > 0

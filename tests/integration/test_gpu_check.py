@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = str(ROOT / "scripts" / "gpu_check.py")
-EVERY_CPU_CHECK = ["forward", "objectives", "entropy", "zero2", "zero3", "off-policy", "imports"]
+EVERY_CPU_CHECK = ["forward", "objectives", "entropy", "zero2", "zero3", "head-chunk", "off-policy", "imports"]
 # ray and vllm made unimportable (a None in sys.modules makes `import` raise), then the script run as __main__
 WITHOUT_RAY = (
     "import runpy, sys; sys.modules['ray'] = sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
@@ -46,7 +46,7 @@ def test_every_check_of_the_cpu_twin_passes():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("planted", ["forward", "zero2"])
+@pytest.mark.parametrize("planted", ["forward", "zero2", "head-chunk"])
 def test_a_perturbed_value_fails_its_check_and_the_run(planted):
     # with a check that stays healthy beside it: the run reports both and exits 1
     code, lines, out = run("--only", f"entropy,{planted}", "--plant", planted)

@@ -1,6 +1,6 @@
 """The reference's CPU twin of its GPU layout: DeepSpeed ZeRO-3 inference over two ranks (gloo) gives the
-single-process reference's log-probs, with shared-prefix packing, a rank that runs a stand-in forward, and its
-rendezvous on loopback only."""
+single-process reference's log-probs, with shared-prefix packing, a rank that runs a stand-in forward, the output
+head in chunks, and its rendezvous on loopback only."""
 
 import random
 
@@ -67,3 +67,15 @@ def test_two_zero3_ranks_give_the_single_reference_s_log_probs(ray_cluster, tiny
     assert max(abs(a - b) for x, y in zip(again, expected) for a, b in zip(x, y)) < 1e-5
     assert [len(x) for x in by_tokens] == [len(r) for r in responses]
     assert max(abs(a - b) for x, y in zip(by_tokens, expected) for a, b in zip(x, y)) < 1e-5
+
+    # the output head in chunks of 3 response tokens (--train.head_chunk_tokens): the two ranks' micro-batches hold
+    # different numbers of tokens (and rank 1 a stand-in), yet each calls the head as often (ZeRO-3's gathers pair up)
+    chunked_group = ReferenceGroup(from_args([*flags, "--ref.num_workers", "2", "--train.head_chunk_tokens", "3"]),
+                                   tiny_model)  # fmt: skip
+    try:
+        chunked = chunked_group.log_probs(prompts, responses)
+        chunked_again = chunked_group.log_probs(prompts[:3], responses[:3])
+    finally:
+        chunked_group.shutdown()
+    assert max(abs(a - b) for x, y in zip(chunked, expected) for a, b in zip(x, y)) < 1e-5
+    assert max(abs(a - b) for x, y in zip(chunked_again, expected) for a, b in zip(x, y)) < 1e-5

@@ -1,7 +1,8 @@
 """Token-budget micro-batches (`--train.max_tokens_per_micro_batch`) on the real DeepSpeed policy group: the same
-step as the fixed split of `--actor.micro_batch_size` sequences gives the same weights, for token_mean and
-seq_mean_token_mean, with two ranks that get different numbers of real micro-batches (one runs empty stand-ins) and
-a different number of micro-batches per mini-batch than DeepSpeed's configured gradient accumulation.
+step as the fixed split of `--actor.micro_batch_size` sequences gives the same weights (and again with the output
+head in chunks, `--train.head_chunk_tokens`), for token_mean and seq_mean_token_mean, with two ZeRO-3 ranks that get
+different numbers of real micro-batches (one runs empty stand-ins) and a different number of micro-batches per
+mini-batch than DeepSpeed's configured gradient accumulation.
 
 The loss is normalised over the whole mini-batch on all ranks, so the split cannot change the gradient; what could
 go wrong is the plumbing: a stand-in that adds to the loss or the normaliser, an optimizer step at the wrong
@@ -40,12 +41,13 @@ def make_samples() -> list[TrainSample]:
     return samples
 
 
-def config(agg: str, shared_prefix: str, budget: int):
+def config(agg: str, shared_prefix: str, budget: int, head_chunk: int = 0):
     return from_args(
         ["--preset", "smoke", "--train.seed", "3", "--train.mini_batches", str(MINI),
          "--actor.num_workers", str(WORKERS), "--actor.micro_batch_size", "2", "--actor.lr", "0.05",
          "--actor.adam_eps", "1.0", "--actor.grad_clip", "1.0", "--loss.agg", agg, "--async.is_correction", "off",
-         "--train.shared_prefix", shared_prefix, "--train.max_tokens_per_micro_batch", str(budget)],
+         "--train.shared_prefix", shared_prefix, "--train.max_tokens_per_micro_batch", str(budget),
+         "--train.head_chunk_tokens", str(head_chunk)],
         {"loss.type": "ppo"},
     )  # fmt: skip
 
@@ -91,6 +93,10 @@ def test_a_token_budget_gives_the_fixed_splits_step(ray_cluster, tiny_model, agg
     assert metrics["train/micro_batches"] == sum(counts[0]) == sum(counts[1])
     assert 0 < metrics["train/micro_batch_tokens_mean"] <= metrics["train/micro_batch_tokens_max"]
     assert metrics["train/micro_batch_tokens_max"] <= max(BUDGET, max(lengths))
+
+    # the output head in chunks of 7 response tokens (--train.head_chunk_tokens) on top: the same step again
+    chunked, _ = one_step(tiny_model, config(agg, shared_prefix, BUDGET, head_chunk=7), samples)
+    assert deviation(chunked, fixed) < 1e-4 * update
 
     # the control: the same step on half the batch moves the weights elsewhere, far beyond the tolerance
     half, _ = one_step(tiny_model, config(agg, shared_prefix, BUDGET), samples[: N // 2])

@@ -44,10 +44,21 @@ class TrainConfig(Section):
         "alone): micro-batches formed by tokens, balanced over the ranks, instead of --actor.micro_batch_size "
         "sequences (0). The gradient is the same; a per-micro-batch selection (--loss.scope micro_batch) is not",
     )
+    head_chunk_tokens: int = _f(
+        0,
+        "training-side forwards (old log-probs, policy, reference) compute the vocabulary projection, log-probs and "
+        "entropies this many response tokens at a time, recomputing each chunk in the backward, instead of all "
+        "logits at once (0): bounds the logits' memory, ~1.8 MiB per token at a 152k vocabulary, for long responses",
+    )
 
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (
+                self.head_chunk_tokens >= 0,
+                "train.head_chunk_tokens",
+                f"{self.head_chunk_tokens} must be >= 0 (0 = all logits at once)",
+            ),
             (self.step_timeout_s > 0, "train.step_timeout_s", f"{self.step_timeout_s:g} must be > 0"),
             (self.save_timeout_s > 0, "train.save_timeout_s", f"{self.save_timeout_s:g} must be > 0"),
             (
