@@ -140,7 +140,8 @@ class _ChunkedHead(torch.autograd.Function):
         wide = _wide(hidden.dtype)
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         d_hidden = torch.zeros_like(hidden) if want_h else None
-        d_weight = torch.zeros_like(weight) if want_w else None
+        # summed over the chunks in fp32 (16 bf16 partial sums at 16k tokens in chunks of 1024 would lose about 2%)
+        d_weight = torch.zeros_like(weight, dtype=wide) if want_w else None
         d_bias = torch.zeros_like(bias) if want_b else None
         # Each chunk's (rows x vocabulary) work is done in place where it can be: at most two such tensors in the
         # working precision are alive at once (three with soft-capping, whose slope depends on z)
@@ -172,9 +173,11 @@ class _ChunkedHead(torch.autograd.Function):
             if want_h:
                 d_hidden[i : i + chunk] = d_z @ weight
             if want_w:
-                d_weight += d_z.t() @ h
+                d_weight += (d_z.t() @ h).to(wide)
             if want_b:
                 d_bias += d_z.sum(0)
+        if want_w:
+            d_weight = d_weight.to(weight.dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None
 
 
