@@ -63,6 +63,11 @@ def fixed_samples(vocab: int, seed: int) -> list[tuple[list[int], list[int], flo
     return out
 
 
+def batch_policy_loss(rows: list[tuple[list[int], list[int], float]], log_probs: list[list[float]]) -> float:
+    """-sum_i A_i x mean_t log p_i,t over the batch: what the steps should lower."""
+    return -sum(a * sum(lp) / len(lp) for (_, _, a), lp in zip(rows, log_probs)) / len(rows)
+
+
 def check_zero(ctx: Context, stage: int) -> Check:
     """Three RL steps of the policy on one fixed batch through the trainer's own engine builder and step phases."""
     name = f"zero{stage}"
@@ -76,9 +81,7 @@ def check_zero(ctx: Context, stage: int) -> Check:
         prompts, responses = [p for p, _, _ in rows], [r for _, r, _ in rows]
 
         def policy_loss() -> float:
-            """-sum_i A_i x mean_t log p_i,t over the batch: what the steps should lower."""
-            lps = response_log_probs(setup, engine, prompts, responses)
-            return -sum(a * sum(lp) / len(lp) for (_, _, a), lp in zip(rows, lps)) / len(rows)
+            return batch_policy_loss(rows, response_log_probs(setup, engine, prompts, responses))
 
         # on-policy samples: the rollout's log-probs are the starting policy's
         start = response_log_probs(setup, engine, prompts, responses)
@@ -146,7 +149,7 @@ def check_head_chunk(ctx: Context, chunk: int = 5) -> Check:
             applied = optimizer_step(setup, engine, s, 0, False)
             result = step_result(s, world_size=1, skipped=int(not applied), lr=s.lr, seconds=0.0)
             after = response_log_probs(setup, engine, prompts, responses)
-            after_loss = -sum(a * sum(lp) / len(lp) for (_, _, a), lp in zip(rows, after)) / len(rows)
+            after_loss = batch_policy_loss(rows, after)
             flat = torch.tensor([x for lp in lps for x in lp], dtype=torch.float64)
             runs.append((flat, result.get("train/grad_norm", math.nan), after_loss))
         finally:
