@@ -4,6 +4,7 @@ experiment, fixed in advance"): GRPO and KL-Cov paired by seed, every run evalua
 
     python -m study.explore                       # study/runs/explore_{grpo,kl_cov}_seed<N>, explore_base
     python -m study.explore --runs other/runs --base other/runs/explore_base/metrics.json
+    python -m study.explore --figure study/figures/explore_pass_at_k.png   # also draw pass@k against k
 
 Printed:
 - the primary endpoint: pass@32 of the final weights, KL-Cov minus GRPO over the seed pairs, with its t-interval,
@@ -13,6 +14,9 @@ Printed:
   entropy over the last ten steps;
 - the same pass@k at the midway evaluation (step 25), described and not tested;
 - every pair's numbers, seed by seed.
+
+The figure (`--figure`) is descriptive, not part of the fixed analysis: pass@k against k for the base model and for
+each arm's final and midway weights (mean over the paired seeds, 95% t-interval bars).
 
 With fewer pairs than the design's seven the report says so on its first line: the design reports nothing until all
 seven pairs are in.
@@ -30,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from study.figures import plot_explore
 from study.inference import fmt_p
 from study.runs import ENTROPY_KEY, Run
 from study.stats import Estimate, holm, mean_interval, sign_test_p, t_test_p
@@ -40,6 +45,7 @@ PRIMARY_K = 32
 SECONDARY_KS = (1, 64)
 LAST = 10  # entropy is averaged over the last ten steps
 SEED_DIR = re.compile(r"(explore_\w+?)_seed(\d+)")
+Curve = list[tuple[int, Estimate]]  # (k, pass@k over the seeds), k ascending
 
 
 class Test(NamedTuple):
@@ -145,6 +151,22 @@ def analyse(pairs: dict[int, dict[str, Run]], base: dict[int, float]) -> Analysi
     return Analysis(list(pairs), primary, secondary, holm_p, midway, rows)
 
 
+def pass_at_k_by_arm(pairs: dict[int, dict[str, Run]], ks: list[int]) -> dict[str, dict[str, Curve]]:
+    """{arm: {"final" / "step 25": [(k, mean and 95% interval over the paired seeds)]}} for every k in `ks` that
+    each run logged; a midway curve is left out where some run has no evaluation before its final one."""
+    curves: dict[str, dict[str, Curve]] = {}
+    for arm in ARMS:
+        for when, index in (("final", -1), ("step 25", -2)):
+            points = []
+            for k in ks:
+                found = [evaluations(arms[arm], k) for arms in pairs.values()]
+                if all(len(f) >= -index for f in found):
+                    points.append((k, mean_interval([f[index][1] for f in found], (0.0, 1.0))))
+            if points:
+                curves.setdefault(arm, {})[when] = points
+    return curves
+
+
 def fmt_estimate(e: Estimate, spec: str = "+.3f") -> str:
     """Mean [low, high], a bound cut to the quantity's range marked with the interval as computed."""
     if e.low is None:
@@ -189,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="study/runs", help="the folder holding explore_<arm>_seed<N>/metrics.jsonl")
     p.add_argument("--base", default="", help="the base model's metrics.json (default: <runs>/explore_base/...)")
+    p.add_argument("--figure", default="", help="also write pass@k against k to this PNG (descriptive)")
     args = p.parse_args(argv)
     runs = Path(args.runs)
     base_path = Path(args.base) if args.base else runs / "explore_base" / "metrics.json"
@@ -198,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(pairs) < 2:
             raise ValueError(f"{runs}: {len(pairs)} complete seed pair(s) of {' and '.join(ARMS)}; the tests need two")
         print("\n".join(report(analyse(pairs, base), base)))
+        if args.figure:
+            curves = pass_at_k_by_arm(pairs, sorted(base))
+            print(f"wrote {plot_explore(base, curves, len(pairs), Path(args.figure))}")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

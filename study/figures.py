@@ -26,7 +26,7 @@ from study.runs import (
     pooled,
     safe_name,
 )
-from study.stats import pearson_interval
+from study.stats import Estimate, pearson_interval
 
 
 def _figure(title: str, xlabel: str, ylabel: str):
@@ -193,3 +193,26 @@ def plot_knobs(controlled: list[tuple[int, Method]], path: Path) -> Path:
                 if series is not None:
                     ax.plot(*series, color=f"C{i}", lw=1.2, alpha=0.8, label=label)
     return _save(fig, top, path)  # the legend beside the top panel, as every figure's
+
+
+def plot_explore(
+    base: dict[int, float], curves: dict[str, dict[str, list[tuple[int, Estimate]]]], pairs: int, path: Path
+) -> Path:
+    """The exploration experiment's pass@k against k (log2 axis): the base model's one evaluation as a black line and
+    each arm's curves (study.explore.pass_at_k_by_arm) as means with 95% t-interval bars, the final weights solid and
+    the midway ones dashed, in the arm's colour."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = _figure(f"pass@k on the shared held-out set ({pairs} seed pairs; bars: 95% t-interval)", "k", "pass@k")
+    ks = sorted(base)
+    ax.plot(ks, [base[k] for k in ks], color="black", marker="s", ms=4, label="base model")
+    for i, (arm, by_time) in enumerate(curves.items()):
+        for when, points in by_time.items():
+            final = when == "final"
+            mean = np.array([e.mean for _, e in points])
+            low = np.array([e.mean - e.low if e.low is not None else 0.0 for _, e in points])
+            high = np.array([e.high - e.mean if e.high is not None else 0.0 for _, e in points])
+            ax.errorbar([k for k, _ in points], mean, yerr=[low, high], color=f"C{i}", ls="-" if final else "--",
+                        alpha=1.0 if final else 0.5, marker="o", ms=4, capsize=3, label=f"{arm} ({when})")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    return _save(fig, ax, path)

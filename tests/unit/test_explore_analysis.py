@@ -115,3 +115,33 @@ def test_missing_base_or_pass_at_k_is_one_clear_error(experiment, capsys):
     folder.joinpath("metrics.json").write_text(json.dumps({"eval/pass@32": 0.4, "eval/pass@64": 0.5}))
     assert explore.main(["--runs", str(experiment["dir"])]) == 2
     assert "the base model's evaluation has no pass@1" in capsys.readouterr().err
+
+
+def test_the_figure_draws_each_arms_final_and_midway_pass_at_k_over_the_pairs(experiment, capsys):
+    pairs = explore.find_pairs(experiment["dir"])
+    curves = explore.pass_at_k_by_arm(pairs, list(KS))
+    assert set(curves) == {"explore_grpo", "explore_kl_cov"}
+    assert set(curves["explore_grpo"]) == {"final", "step 25"}
+    final32 = dict(curves["explore_kl_cov"]["final"])[32]
+    assert final32.mean == pytest.approx(experiment["kl32"].mean())
+    half = stats.t.ppf(0.975, 6) * experiment["kl32"].std(ddof=1) / math.sqrt(7)
+    assert final32.high - final32.low == pytest.approx(2 * half)  # within [0, 1]: not cut
+    assert dict(curves["explore_grpo"]["step 25"])[32].mean == pytest.approx(experiment["grpo32_mid"].mean())
+    assert [k for k, _ in curves["explore_grpo"]["final"]] == list(KS)
+
+    figure = experiment["dir"] / "figures" / "explore.png"
+    assert explore.main(["--runs", str(experiment["dir"]), "--figure", str(figure)]) == 0
+    assert f"wrote {figure}" in capsys.readouterr().out
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_evaluated_once_has_no_midway_curve(experiment):
+    folder = experiment["dir"] / "explore_grpo_seed3"
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[:-1]:  # keep the final evaluation only
+        for k in KS:
+            row.pop(f"eval/pass@{k}", None)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves = explore.pass_at_k_by_arm(explore.find_pairs(experiment["dir"]), list(KS))
+    assert set(curves["explore_grpo"]) == {"final"}
+    assert set(curves["explore_kl_cov"]) == {"final", "step 25"}
