@@ -24,6 +24,8 @@ class TrainSample:
     # policy versions between the weights that sampled the response and the trainer's at this step (the
     # offpolicy/staleness_<v>/* metrics group by it)
     staleness: int = 0
+    # the response's data source where the step mixes several (entropy/<source>/seq_mean); "" otherwise
+    data_source: str = ""
 
 
 # reduced over micro-batches and ranks by max, the rest by mean

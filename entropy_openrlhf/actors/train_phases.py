@@ -93,6 +93,8 @@ class StepState:
     entropies: list[torch.Tensor | None]
     is_weights: list[torch.Tensor | None]
     staleness: list[torch.Tensor]  # per micro-batch, (B,): policy versions each response lags the trainer
+    # per micro-batch, each response's data source where the step mixes several, else "" (TrainSample.data_source)
+    sources: list[list[str]] = field(default_factory=list)
     metrics: dict[str, list[float]] = field(default_factory=dict)
     lr: float = 0.0  # the learning rate the last optimizer step applied (optimizer_step)
 
@@ -211,6 +213,7 @@ def prepare_step(
         entropies=[None] * len(batches),
         is_weights=[None] * len(batches),
         staleness=[torch.tensor([s.staleness for s in m], device=b.mask.device) for m, b in zip(micro, batches)],
+        sources=[[s.data_source for s in m] for m in micro],
     )
 
 
@@ -246,6 +249,10 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     es = entropy_stats(s.entropies[i], b.mask)
     s.add("entropy/token_mean", es["token_mean"])
     s.add("entropy/seq_mean", es["seq_mean"])
+    # averaged as entropy/seq_mean is, over the micro-batches (and ranks) that hold the source
+    for source in sorted({name for name in s.sources[i] if name}):
+        rows = torch.tensor([name == source for name in s.sources[i]], device=b.mask.device)
+        s.add(f"entropy/{source}/seq_mean", entropy_stats(s.entropies[i][rows], b.mask[rows])["seq_mean"])
     s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
     # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
     gap = (r - lp).abs() * b.mask

@@ -49,3 +49,25 @@ def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:
             rewards.append(float(s.reward))
             ids.append(g)
     return rewards, ids
+
+
+def mixed_sources(samples: list[Sample]) -> bool:
+    """Whether the step's samples come from two or more `data_source`s: only then are metrics split by source."""
+    return len({s.data_source for s in samples}) > 1
+
+
+def source_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`reward/<source>/acc`, `reward/<source>/mean` and `rollout/<source>/response_len` over the step's training
+    samples of each data source ("default" for none); {} when they share one source (docs/guides/metrics.md)."""
+    if not mixed_sources(samples):
+        return {}
+    by_source: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_source.setdefault(s.data_source or "default", []).append(s)
+    metrics = {}
+    for source, group in sorted(by_source.items()):
+        n = len(group)
+        metrics[f"reward/{source}/acc"] = sum(float(s.acc) for s in group) / n
+        metrics[f"reward/{source}/mean"] = sum(s.reward for s in group) / n
+        metrics[f"rollout/{source}/response_len"] = sum(len(s.response_token_ids) for s in group) / n
+    return metrics

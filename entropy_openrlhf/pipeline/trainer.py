@@ -32,7 +32,7 @@ from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.algorithms.overlong import overlong_penalty
 from entropy_openrlhf.cluster import NodeWatch
 from entropy_openrlhf.config import Config
-from entropy_openrlhf.pipeline.batches import Batch, PromptStream, group_rewards
+from entropy_openrlhf.pipeline.batches import Batch, PromptStream, group_rewards, mixed_sources, source_metrics
 from entropy_openrlhf.pipeline.checkpoints import Checkpointing
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
@@ -241,6 +241,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         rewards, ids = group_rewards(batch.groups)
         adv = compute_advantages(torch.tensor(rewards), torch.tensor(ids), self.cfg.algo.advantage).tolist()
         flat = [s for g in batch.groups for s in g]
+        mixed = mixed_sources(flat)
         return [
             TrainSample(
                 prompt_ids=s.prompt_token_ids,
@@ -250,6 +251,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 ref_log_probs=s.ref_log_probs,
                 response_mask=self._loss_mask(s),
                 staleness=0 if step is None else step - s.policy_version,
+                data_source=(s.data_source or "default") if mixed else "",
             )
             for s, a in zip(flat, adv)
         ]
@@ -305,7 +307,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 )  # fmt: skip
                 t_train = time.time() - t0
                 export_s = self.publish_weights(step + 1)
-                metrics = {**batch.metrics, **train_metrics}
+                metrics = {**batch.metrics, **train_metrics, **source_metrics(flat)}
                 staleness = [step - s.policy_version for s in flat]
                 lengths = [len(s.response_token_ids) for s in flat]
                 metrics.update(

@@ -80,6 +80,17 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
             assert per_source and all(0 <= v <= 1 for v in per_source)
             assert abs(h["eval/acc"] - sum(per_source) / len(per_source)) < 1e-9
             assert 0 < h["eval/response_len"] <= 16 and h["time/eval"] > 0
+        # the built-in task's prompts come from levels 1-3 (data_source arith_l<level>): a step that mixes levels
+        # logs entropy, accuracy and length per level, the same levels on the policy's side as on the driver's
+        mixed = 0
+        for h in history:
+            split = [k.split("/") for k in h if k.count("/") == 2]
+            by_entropy = {src for head, src, tail in split if (head, tail) == ("entropy", "seq_mean")}
+            by_reward = {src for head, src, tail in split if (head, tail) == ("reward", "acc")}
+            assert by_entropy == by_reward
+            assert all(0 < h[f"entropy/{src}/seq_mean"] and 0 <= h[f"reward/{src}/acc"] <= 1 for src in by_reward)
+            mixed += len(by_reward) > 1
+        assert mixed > 0, "no step mixed two levels of the built-in task"
         if staleness == 0:
             assert all(h["async/staleness_mean"] == 0 for h in history)
         else:
@@ -144,22 +155,23 @@ def check_saved_model_stands_alone(final: Path, model_path: str, weights: dict, 
     assert code == 0
 
 
-def documented_metrics() -> tuple[set[str], list[str]]:
-    """Keys in the first column of docs/guides/metrics.md; `<name>` parts become prefix patterns."""
+def documented_metrics() -> tuple[set[str], list]:
+    """Keys in the first column of docs/guides/metrics.md; one with `<name>` parts becomes a pattern in which each
+    such part stands for any text (`entropy/<source>/seq_mean` matches entropy/aime/seq_mean, not entropy/foo)."""
     import re
 
     text = (Path(__file__).parents[2] / "docs" / "guides" / "metrics.md").read_text()
-    exact, prefixes = set(), []
+    exact, patterns = set(), []
     for cell in re.findall(r"^\| (`[^|]+`) \|", text, flags=re.M):
         for key in re.findall(r"`([^`]+)`", cell):
             if "<" in key:
-                prefixes.append(key.split("<")[0])
+                patterns.append(re.compile(".+".join(re.escape(part) for part in re.split(r"<[^>]+>", key))))
             else:
                 exact.add(key)
-    return exact, prefixes
+    return exact, patterns
 
 
 def assert_documented(keys) -> None:
-    exact, prefixes = documented_metrics()
-    missing = [k for k in keys if k not in exact and not any(k.startswith(p) for p in prefixes)]
+    exact, patterns = documented_metrics()
+    missing = [k for k in keys if k not in exact and not any(p.fullmatch(k) for p in patterns)]
     assert not missing, f"metrics logged but not defined in docs/guides/metrics.md: {missing}"
