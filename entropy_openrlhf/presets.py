@@ -72,16 +72,16 @@ _DAPO_COMMON: dict[str, Any] = {
     # systems: bf16, ZeRO-3 with gradient checkpointing (the recipe: FSDP with checkpointing). One sequence per
     # micro-batch: a full-length one is 10240 tokens, and the trainer materialises its (tokens x 152k vocab)
     # logits; with their fp32 copy and gradient about 1.8 MiB per token at the step's peak, 18 GiB here (measured
-    # on a GPU: benchmarks/long_responses.py, docs/guides/cluster.md). The head in chunks of 1024 tokens bounds that
-    # to about 2 GiB, for under 2% more arithmetic (verl's recipe uses its fused kernels to the same end). Raise the
-    # micro-batch, or form micro-batches by tokens (--train.max_tokens_per_micro_batch), when responses stay short.
+    # on a GPU: benchmarks/long_responses.py, docs/guides/long_responses.md). The head in chunks of 1024 tokens bounds
+    # that to about 2 GiB, for under 2% more arithmetic (verl's recipe uses its fused kernels to the same end). Raise
+    # the micro-batch, or form micro-batches by tokens (--train.max_tokens_per_micro_batch), when responses stay short.
     "model.dtype": "bf16",
     "actor.zero_stage": 3,
     "actor.gradient_checkpointing": True,
     "actor.micro_batch_size": 1,
     "train.head_chunk_tokens": 1024,
     # one sequence per micro-batch leaves no prompt to share: keep the model's own attention (shared-prefix packing
-    # pays when a micro-batch holds several responses of a prompt; docs/guides/cluster.md)
+    # pays when a micro-batch holds several responses of a prompt; docs/guides/gpu.md)
     "train.shared_prefix": "off",
     # 2048 responses per step to verify (the fork uses a 64-process pool); a quarter CPU each (Ray's accounting)
     # keeps the whole 7B run within the 16 logical CPUs of a local Ray (--ray.num_cpus)

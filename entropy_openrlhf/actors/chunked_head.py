@@ -2,8 +2,8 @@
 decoder's last hidden states, N tokens at a time, so that no forward or backward holds more than N tokens' logits.
 
 With the whole head a micro-batch's logits over the vocabulary are materialised at once, with their fp32 copy and
-their gradient: about 1.8 MiB per token at Qwen's 152k vocabulary (docs/guides/cluster.md). Here an autograd Function
-computes each chunk's logits, keeps only the log-probs and entropies, and in the backward computes each chunk's
+their gradient: about 1.8 MiB per token at Qwen's 152k vocabulary (docs/guides/long_responses.md). Here an autograd
+Function computes each chunk's logits, keeps only the log-probs and entropies, and in the backward computes each chunk's
 logits again to form its gradient; its working memory is two or three (chunk x vocabulary) tensors in fp32. This
 follows verl's pure-PyTorch fallback for its fused kernels (verl/utils/experimental/torch_functional.py,
 FusedLinearForPPO), with two differences:

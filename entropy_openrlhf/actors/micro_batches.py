@@ -4,7 +4,7 @@ sequences (`--actor.micro_batch_size`, the default), or by a token budget (`--tr
 A layout says, for every rank and every optimizer mini-batch, which of the step's samples form each micro-batch.
 Mini-batch m is always the same samples (the m-th contiguous slice of the step's), whatever the number of ranks or
 the split, so the loss, normalised over the whole mini-batch on all ranks, and its gradient do not depend on the
-layout (docs/guides/cluster.md, "Long responses"). What does depend on it: a per-micro-batch selection (Clip-Cov
+layout (docs/guides/long_responses.md). What does depend on it: a per-micro-batch selection (Clip-Cov
 and KL-Cov at `--loss.scope micro_batch`) sees other neighbours.
 
 With a token budget, each mini-batch is first dealt out over the ranks with the token counts balanced

@@ -223,7 +223,7 @@ def test_the_report_and_exit_code_tell_the_three_verdicts_apart():
     assert exit_code(checks) == 3
     assert exit_code([*checks, Check("resume", FAIL, "c")]) == 1
     assert exit_code(checks[:1]) == 0
-    assert report(checks[:1]) == "PASS  train step  a"  # all passed: the format docs/guides/cluster.md shows
+    assert report(checks[:1]) == "PASS  train step  a"  # all passed: the format docs/guides/gpu.md shows
 
 
 def test_the_cpu_twin_rewards_vary_with_the_answer():
