@@ -249,9 +249,11 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     es = entropy_stats(s.entropies[i], b.mask)
     s.add("entropy/token_mean", es["token_mean"])
     s.add("entropy/seq_mean", es["seq_mean"])
-    # averaged as entropy/seq_mean is, over the micro-batches (and ranks) that hold the source
-    for source in sorted({name for name in s.sources[i] if name}):
-        rows = torch.tensor([name == source for name in s.sources[i]], device=b.mask.device)
+    # averaged as entropy/seq_mean is, over the micro-batches (and ranks) that hold the source; a state built
+    # without sources (a benchmark's, a test's) has none
+    sources = s.sources[i] if s.sources else []
+    for source in sorted({name for name in sources if name}):
+        rows = torch.tensor([name == source for name in sources], device=b.mask.device)
         s.add(f"entropy/{source}/seq_mean", entropy_stats(s.entropies[i][rows], b.mask[rows])["seq_mean"])
     s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
     # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
