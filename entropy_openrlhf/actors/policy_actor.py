@@ -119,13 +119,16 @@ class PolicyActor:
         # which path gave the old log-probs: both give the same numbers, so only this count tells them apart
         s.add("train/old_pass_micro_batches", len(s.batches) - no_grad_from)
 
-        # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller
+        # 2. optimizer steps on the objective --loss.type names, its strength scaled by the entropy controller: one
+        # per mini-batch in each of --train.ppo_epochs passes, against the same old log-probs (verl's ppo_epochs)
         self.engine.train()
         skipped = 0
-        for mini in range(self.cfg.train.mini_batches):
-            old_from_training = bypass or (first_from_training and mini == 0)
-            if not self.phases.optimizer_step(self.setup, self.engine, s, mini, old_from_training):
-                skipped += 1
+        for epoch in range(s.epochs):
+            for mini in range(len(s.minis)):
+                # only the first pass's forwards stand in for the old pass: later ones see weights already moved
+                old_from_training = epoch == 0 and (bypass or (first_from_training and mini == 0))
+                if not self.phases.optimizer_step(self.setup, self.engine, s, mini, old_from_training, epoch):
+                    skipped += 1
         self.version += 1
         # train/lr: the rate of the step's last optimizer step (the param groups already hold the next one's)
         return self.phases.step_result(

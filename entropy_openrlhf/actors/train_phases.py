@@ -95,6 +95,7 @@ class StepState:
     staleness: list[torch.Tensor]  # per micro-batch, (B,): policy versions each response lags the trainer
     # per micro-batch, each response's data source where the step mixes several, else "" (TrainSample.data_source)
     sources: list[list[str]] = field(default_factory=list)
+    epochs: int = 1  # passes over the mini-batches (`--train.ppo_epochs`), each mini-batch one optimizer step per pass
     metrics: dict[str, list[float]] = field(default_factory=dict)
     lr: float = 0.0  # the learning rate the last optimizer step applied (optimizer_step)
 
@@ -204,6 +205,7 @@ def prepare_step(
         needs_entropy=objective_needs_entropy(lc.type, lc),
         bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
         minis=minis,
+        epochs=cfg.train.ppo_epochs,
         batches=batches,
         advantages=grid(lambda s: [s.advantage] * len(s.response_ids)),
         rollout_lp=rollout_lp,
@@ -281,11 +283,13 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
 # ------------------------------------------------------------------ 3. the optimizer steps
 
 
-def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_from_training: bool) -> bool:
-    """Mini-batch `mini`: its selection (global scope), then forward, loss and backward per micro-batch, and one
-    optimizer step. `old_from_training`: what the old pass gives (train_micro_batch) comes from these forwards.
-    Whether DeepSpeed applied the step (it skips one whose gradient norm is NaN/Inf and leaves the weights as they
-    were)."""
+def optimizer_step(
+    setup: RankSetup, engine: Any, s: StepState, mini: int, old_from_training: bool, epoch: int = 0
+) -> bool:
+    """Mini-batch `mini` in pass `epoch` over the step's batch (`--train.ppo_epochs`): its selection (global scope),
+    then forward, loss and backward per micro-batch, and one optimizer step. `old_from_training`: what the old pass
+    gives (train_micro_batch) comes from these forwards. Whether DeepSpeed applied the step (it skips one whose
+    gradient norm is NaN/Inf and leaves the weights as they were)."""
     lc = setup.cfg.loss
     # the rate this step applies: DeepSpeed steps the schedule after the optimizer step (policy_engine.py), so the
     # param groups hold the next step's afterwards
@@ -301,13 +305,14 @@ def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_f
     )  # fmt: skip
     selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
     if s.select_globally:
-        selections, base = select_globally(setup, engine, s, mini, idx, base)
+        selections, base = select_globally(setup, engine, s, mini, idx, base, epoch)
     for j, i in enumerate(idx):
         # the optimizer steps after the mini-batch's last micro-batch, however many this step has: said explicitly,
         # since a token budget varies the count DeepSpeed's gradient_accumulation_steps would assume
         engine.set_gradient_accumulation_boundary(j == len(idx) - 1)
         # micro_batch scope: selections[i] is None and the objective selects here
-        ctx = dataclasses.replace(base, generator=_generator(setup, s.step, mini, j), selected=selections[i])
+        draw = _generator(setup, s.step, epoch * len(s.minis) + mini, j)
+        ctx = dataclasses.replace(base, generator=draw, selected=selections[i])
         train_micro_batch(setup, engine, s, i, ctx, old_from_training)
     if not engine.was_step_applied():
         return False
@@ -318,13 +323,13 @@ def optimizer_step(setup: RankSetup, engine: Any, s: StepState, mini: int, old_f
 
 
 def select_globally(
-    setup: RankSetup, engine: Any, s: StepState, mini: int, idx: list[int], base: LossContext
+    setup: RankSetup, engine: Any, s: StepState, mini: int, idx: list[int], base: LossContext, epoch: int = 0
 ) -> tuple[dict[int, torch.Tensor], LossContext]:
     """`--loss.scope global`: the objective's selection over the whole mini-batch on all ranks; the masks per
     micro-batch and the loss context that carries the pooled means and count."""
     temperature = setup.cfg.rollout.temperature
     # the weights have not moved yet this step: the old pass's values are current (under bypass there is none)
-    if mini == 0 and not s.off_policy.bypass:
+    if mini == 0 and epoch == 0 and not s.off_policy.bypass:
         current = [(s.old_lp[i], s.entropies[i]) for i in idx]
     else:
         with torch.no_grad():
@@ -336,7 +341,7 @@ def select_globally(
         TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
         for (lp, ent), i in zip(current, idx)
     ]
-    lc, generator = setup.cfg.loss, _generator(setup, s.step, mini, 0)
+    lc, generator = setup.cfg.loss, _generator(setup, s.step, epoch * len(s.minis) + mini, 0)
 
     def select(tokens: TokenBatch, means: tuple[float, float]):
         """The objective's selection over the pooled tokens (`pooled_selection`'s callback)."""
@@ -410,7 +415,8 @@ def _all_reduce_sum(device: torch.device, world_size: int, *values: float) -> li
 
 def _generator(setup: RankSetup, step: int, mini: int, micro: int) -> torch.Generator:
     """The objective's random draws (Clip-Cov's choice) for one micro-batch: micro_batch scope, a different draw
-    per rank; global scope, all ranks draw the same (they must agree)."""
+    per rank; global scope, all ranks draw the same (they must agree). `mini` counts the step's optimizer steps over
+    its passes (epoch x mini-batches + mini-batch), so a later pass draws afresh and the first draws as ever."""
     rank = 0 if setup.cfg.loss.scope == "global" else setup.rank
     seed = (setup.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
     return torch.Generator().manual_seed(seed)
@@ -422,7 +428,7 @@ def _generator(setup: RankSetup, step: int, mini: int, micro: int) -> torch.Gene
 def step_result(s: StepState, *, world_size: int, skipped: int, lr: float, seconds: float) -> dict[str, float]:
     """The step's metrics on this rank, reduced over its micro-batches, with what the actor measured around them
     (`skipped` optimizer steps, the learning rate, the step's seconds)."""
-    result = reduce_micro_batches(s.metrics, len(s.minis), world_size)
+    result = reduce_micro_batches(s.metrics, len(s.minis) * s.epochs, world_size)
     result["loss/entropy_coef"] = s.bonus_coef
     result["train/skipped_steps"] = float(skipped)
     result["train/lr"] = float(lr)

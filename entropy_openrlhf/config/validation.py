@@ -67,12 +67,12 @@ def validate(cfg: Config) -> list[str]:
     )
     # the schedule's length (actors/policy_engine.py, total_optimizer_steps): a warmup that long never reaches
     # --actor.lr, and past their end transformers' cosine schedules rise again
-    total_steps = cfg.train.num_steps * cfg.train.mini_batches
+    total_steps = cfg.train.num_steps * cfg.train.mini_batches * cfg.train.ppo_epochs
     need(
         a.lr_warmup_steps < total_steps,
         "actor.lr_warmup_steps",
         f"{a.lr_warmup_steps} is not below the run's {total_steps} optimizer steps "
-        "(--train.num_steps x --train.mini_batches)",
+        "(--train.num_steps x --train.mini_batches x --train.ppo_epochs)",
     )
 
     sequences = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt

@@ -87,7 +87,9 @@ def make_batch(model_path: str) -> tuple[list[TrainSample], list[torch.Tensor]]:
 TOP_FRAC = 0.3  # high_entropy's share (not a divisor of the micro-batch sizes, so its rounding shows)
 
 
-def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str = "", lora: int = 0) -> Config:
+def config(
+    loss: str, scope: str, workers: int, shared_prefix: str, within: str = "", lora: int = 0, epochs: int = 1
+) -> Config:
     # LoRA cases: the adapters on every linear layer, under ZeRO-3 when two ranks share them
     lora_flags = ["--actor.lora_rank", str(lora), "--actor.lora_alpha", str(2 * lora),
                   "--actor.zero_stage", "3" if workers > 1 else "2"] if lora else []  # fmt: skip
@@ -105,6 +107,7 @@ def config(loss: str, scope: str, workers: int, shared_prefix: str, within: str 
             "--async.is_correction", "on",
             "--async.is_cap", str(IS_CAP),
             "--train.shared_prefix", shared_prefix,
+            "--train.ppo_epochs", str(epochs),
             *lora_flags,
         ],
         {"loss.type": loss, **({"loss.clip_low": 1.0, "loss.clip_high": 1.0} if loss == "clip_cov" else {})},
@@ -146,7 +149,9 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
         weights = [torch.ones(len(s.response_ids)) for s in samples]
     per_mini, fracs = N // MINI, []
     per_rank = per_mini // workers
-    for mini in range(MINI):
+    # --train.ppo_epochs: the mini-batches again, against the same old log-probs and importance weights
+    for epoch, mini in ((e, m) for e in range(cfg.train.ppo_epochs) for m in range(MINI)):
+        draw = epoch * MINI + mini  # the actor's count of the step's optimizer steps, its seeds' input
         # PolicyGroup.train_step: rank r takes samples [r * per_rank, (r + 1) * per_rank) of each mini-batch, and
         # cuts them into micro-batches of MICRO
         ranks = [
@@ -188,7 +193,7 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
             masks, cov_means = global_selection(
                 [MicroBatch(current[k], tensors[k][0], tensors[k][1], tensors[k][2]) for k in keys],
                 lc.type, ratio=RATIO, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub, clip_low=lc.clip_low,
-                clip_high=lc.clip_high, generator=actor_generator(cfg, mini, 0, 0),
+                clip_high=lc.clip_high, generator=actor_generator(cfg, draw, 0, 0),
             )  # fmt: skip
             selections = dict(zip(keys, masks))
         opt.zero_grad()
@@ -238,7 +243,7 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
             else:
                 out = clip_cov_loss(
                     lp, old, adv, mask, ratio=RATIO, cov_lb=lc.clip_cov.lb, cov_ub=lc.clip_cov.ub,
-                    clip_low=lc.clip_low, clip_high=lc.clip_high, generator=actor_generator(cfg, mini, j, r), **common,
+                    clip_low=lc.clip_low, clip_high=lc.clip_high, generator=actor_generator(cfg, draw, j, r), **common,
                 )  # fmt: skip
             out.loss.backward()
             fracs.append(float(out.selected.sum()) / float(mask.sum()))
@@ -325,6 +330,39 @@ def test_one_actor_step_equals_the_reference_step(
     assert len(per_micro_mean) == len(n_mini_tokens)
     assert metrics["offpolicy/weight_mean"] == pytest.approx(sum(per_micro_mean) / len(per_micro_mean), abs=1e-5)
     assert metrics["offpolicy/weight_max"] == pytest.approx(IS_CAP)  # reduced by max over micro-batches
+
+
+@pytest.mark.parametrize(
+    "loss, scope, workers, shared_prefix", [("kl_cov", "micro_batch", 1, "off"), ("clip_cov", "global", 2, "on")]
+)
+def test_two_passes_over_the_batch_equal_the_reference_steps(
+    ray_cluster, tiny_model, loss, scope, workers, shared_prefix
+):
+    """`--train.ppo_epochs 2`: each mini-batch trains twice, the second pass against the same old log-probs and
+    importance weights, with its own Clip-Cov draws and (global scope) a selection from the weights as they are
+    then. A reference of one pass misses by far."""
+    cfg = config(loss, scope, workers, shared_prefix, epochs=2)
+    samples, old_rows = make_batch(tiny_model)
+    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
+    group = PolicyGroup(cfg, tiny_model)
+    try:
+        metrics = group.train_step(samples, STEP)
+        actor = group.call_all("export_weights")[0]
+    finally:
+        group.shutdown()
+    expected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers)
+    one_pass, _, _ = reference_step(tiny_model, config(loss, scope, workers, shared_prefix), samples, old_rows, workers)
+
+    def deviation(state: dict) -> float:
+        return max(float((actor[k].float() - state[k]).abs().max()) for k in actor)
+
+    update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
+    print(f"\n{loss}/{scope}/2 passes: update {update:.3g}, deviation {deviation(expected):.3g}, "
+          f"one pass {deviation(one_pass):.3g}")  # fmt: skip
+    assert update > 1e-3
+    assert deviation(expected) < 1e-3 * update
+    assert deviation(one_pass) > 20e-3 * update
+    assert metrics["train/skipped_steps"] == 0
 
 
 def test_bypass_step_equals_the_reference_step_against_the_rollout_log_probs(ray_cluster, tiny_model):

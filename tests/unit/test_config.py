@@ -109,6 +109,14 @@ def test_kl_cov_with_one_optimizer_step_warns_that_it_is_plain_policy_gradient()
     assert notes
     ok = from_args(["--train.mini_batches", "2"], PIPELINES["kl_cov"])
     assert not [n for n in validate(ok) if "plain policy gradient" in n]
+    # one mini-batch trained twice: the second pass is off the old weights, and the penalty acts there
+    twice = from_args(["--train.mini_batches", "1", "--train.ppo_epochs", "2"], PIPELINES["kl_cov"])
+    assert not [n for n in validate(twice) if "plain policy gradient" in n]
+
+
+def test_ppo_epochs_below_one_is_a_config_error_naming_the_flag():
+    with pytest.raises(ConfigError, match="--train.ppo_epochs: 0 must be >= 1"):
+        validate(from_args(["--train.ppo_epochs", "0"]))
 
 
 def test_help_lists_every_field():

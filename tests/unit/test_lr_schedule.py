@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from entropy_openrlhf.actors.policy_engine import build_lr_scheduler, total_optimizer_steps
-from entropy_openrlhf.config import from_args
+from entropy_openrlhf.config import ConfigError, from_args, validate
 
 LR = 3e-5
 
@@ -76,6 +76,16 @@ def test_a_schedule_restored_from_its_state_goes_on_where_it_stopped():
 def test_the_schedule_spans_the_run_s_optimizer_steps():
     cfg = from_args(["--train.num_steps", "7", "--train.mini_batches", "4"])
     assert total_optimizer_steps(cfg) == 28
+    # each pass over a step's batch (--train.ppo_epochs) steps the optimizer once per mini-batch
+    assert total_optimizer_steps(from_args(["--train.num_steps", "7", "--train.mini_batches", "4",
+                                            "--train.ppo_epochs", "3"])) == 84  # fmt: skip
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_counting_the_passes():
+    flags = ["--train.num_steps", "2", "--train.mini_batches", "2", "--actor.lr_warmup_steps", "6"]
+    with pytest.raises(ConfigError, match="--actor.lr_warmup_steps: 6 is not below the run's 4 optimizer steps"):
+        validate(from_args(flags))
+    validate(from_args([*flags, "--train.ppo_epochs", "2"]))  # 8 optimizer steps: the warmup fits
 
 
 def test_an_unknown_schedule_is_refused_naming_the_flag():

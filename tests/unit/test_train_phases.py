@@ -36,3 +36,30 @@ def test_without_response_masks_every_response_token_counts():
                      "--train.shared_prefix", "off"])  # fmt: skip
     s = prepare_step(RankSetup(cfg, 0, 1, 0), ENGINE, [sample([7, 8, 9]), sample([7])], 0, 1.0, None)
     assert s.batches[0].mask.sum(-1).tolist() == [3.0, 1.0]
+
+
+def test_a_global_selection_in_a_later_pass_reads_the_weights_as_they_are_then(monkeypatch):
+    """`--train.ppo_epochs`: the first mini-batch of the first pass selects on the old pass's log-probs (the weights
+    have not moved); every later optimizer step, the first mini-batch of a later pass included, on a fresh forward."""
+    from entropy_openrlhf.actors import train_phases
+    from entropy_openrlhf.algorithms.objectives import LossContext
+
+    cfg = from_args(["--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "4", "--train.mini_batches", "2",
+                     "--actor.micro_batch_size", "2", "--train.shared_prefix", "off", "--train.ppo_epochs", "2",
+                     "--loss.scope", "global"], {"loss.type": "kl_cov"})  # fmt: skip
+    s = prepare_step(RankSetup(cfg, 0, 1, 0), ENGINE, [sample([7, 8]) for _ in range(4)], 0, 1.0, None)
+    assert s.epochs == 2 and s.select_globally
+    for i, b in enumerate(s.batches):
+        s.old_lp[i], s.entropies[i] = torch.full(b.mask.shape, -1.0), torch.zeros(b.mask.shape)
+    fresh = torch.full(s.batches[0].mask.shape, -2.0)
+    monkeypatch.setattr(train_phases, "forward_log_probs", lambda *a, **k: (fresh, torch.zeros_like(fresh)))
+    seen = []
+
+    def pooled_selection(pooled, select, with_entropy):
+        seen.append(float(pooled[0].log_probs.flatten()[0]))
+        return [None] * len(pooled), (0.0, 0.0), 0, {}
+
+    monkeypatch.setattr(train_phases, "pooled_selection", pooled_selection)
+    for epoch, mini in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        train_phases.select_globally(RankSetup(cfg, 0, 1, 0), ENGINE, s, mini, s.minis[mini], LossContext(), epoch)
+    assert seen == [-1.0, -2.0, -2.0, -2.0]

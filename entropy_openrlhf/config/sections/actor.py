@@ -21,8 +21,9 @@ class ActorConfig(Section):
     )
     lr_scheduler: str = _f(
         "constant",
-        "learning-rate schedule over the run's optimizer steps (train.num_steps x train.mini_batches): {choices}; "
-        "cosine and linear decay from --actor.lr after the warmup to --actor.min_lr_ratio x lr at the last step",
+        "learning-rate schedule over the run's optimizer steps (train.num_steps x train.mini_batches x "
+        "train.ppo_epochs): {choices}; cosine and linear decay from --actor.lr after the warmup to "
+        "--actor.min_lr_ratio x lr at the last step",
         choices=("constant", "cosine", "linear"),
     )
     lr_warmup_steps: int = _f(

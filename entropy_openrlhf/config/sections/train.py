@@ -15,6 +15,11 @@ from entropy_openrlhf.sync.factory import WeightSyncSettings
 class TrainConfig(Section):
     num_steps: int = _f(20, "RL steps (rollout batches)")
     mini_batches: int = _f(2, "optimizer steps per rollout batch (KL-Cov needs > 1 to act)")
+    ppo_epochs: int = _f(
+        1,
+        "passes over each rollout batch, each one optimizer step per mini-batch against the same old log-probs "
+        "(verl's ppo_epochs, OpenRLHF's --train.max_epochs, TRL's num_iterations; the paper's recipe: 1)",
+    )
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
     output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
     save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
@@ -54,6 +59,7 @@ class TrainConfig(Section):
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
+            (self.ppo_epochs >= 1, "train.ppo_epochs", f"{self.ppo_epochs} must be >= 1"),
             (
                 self.head_chunk_tokens >= 0,
                 "train.head_chunk_tokens",
