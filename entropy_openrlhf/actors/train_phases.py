@@ -304,15 +304,15 @@ def optimizer_step(
         dp_size=setup.world_size, micro_batches=max(1, sum(bool(s.batches[i].mask.any()) for i in idx)),
     )  # fmt: skip
     selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
+    update = epoch * len(s.minis) + mini  # the step's optimizer steps so far, over its passes
     if s.select_globally:
-        selections, base = select_globally(setup, engine, s, mini, idx, base, epoch)
+        selections, base = select_globally(setup, engine, s, update, idx, base)
     for j, i in enumerate(idx):
         # the optimizer steps after the mini-batch's last micro-batch, however many this step has: said explicitly,
         # since a token budget varies the count DeepSpeed's gradient_accumulation_steps would assume
         engine.set_gradient_accumulation_boundary(j == len(idx) - 1)
         # micro_batch scope: selections[i] is None and the objective selects here
-        draw = _generator(setup, s.step, epoch * len(s.minis) + mini, j)
-        ctx = dataclasses.replace(base, generator=draw, selected=selections[i])
+        ctx = dataclasses.replace(base, generator=_generator(setup, s.step, update, j), selected=selections[i])
         train_micro_batch(setup, engine, s, i, ctx, old_from_training)
     if not engine.was_step_applied():
         return False
@@ -323,13 +323,14 @@ def optimizer_step(
 
 
 def select_globally(
-    setup: RankSetup, engine: Any, s: StepState, mini: int, idx: list[int], base: LossContext, epoch: int = 0
+    setup: RankSetup, engine: Any, s: StepState, update: int, idx: list[int], base: LossContext
 ) -> tuple[dict[int, torch.Tensor], LossContext]:
-    """`--loss.scope global`: the objective's selection over the whole mini-batch on all ranks; the masks per
-    micro-batch and the loss context that carries the pooled means and count."""
+    """`--loss.scope global`: the objective's selection over the whole mini-batch (micro-batches `idx`) on all ranks
+    for the step's optimizer step `update` (counted over its passes); the masks per micro-batch and the loss context
+    that carries the pooled means and count."""
     temperature = setup.cfg.rollout.temperature
     # the weights have not moved yet this step: the old pass's values are current (under bypass there is none)
-    if mini == 0 and epoch == 0 and not s.off_policy.bypass:
+    if update == 0 and not s.off_policy.bypass:
         current = [(s.old_lp[i], s.entropies[i]) for i in idx]
     else:
         with torch.no_grad():
@@ -341,7 +342,7 @@ def select_globally(
         TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
         for (lp, ent), i in zip(current, idx)
     ]
-    lc, generator = setup.cfg.loss, _generator(setup, s.step, epoch * len(s.minis) + mini, 0)
+    lc, generator = setup.cfg.loss, _generator(setup, s.step, update, 0)
 
     def select(tokens: TokenBatch, means: tuple[float, float]):
         """The objective's selection over the pooled tokens (`pooled_selection`'s callback)."""
@@ -413,12 +414,12 @@ def _all_reduce_sum(device: torch.device, world_size: int, *values: float) -> li
     return t.tolist()
 
 
-def _generator(setup: RankSetup, step: int, mini: int, micro: int) -> torch.Generator:
+def _generator(setup: RankSetup, step: int, update: int, micro: int) -> torch.Generator:
     """The objective's random draws (Clip-Cov's choice) for one micro-batch: micro_batch scope, a different draw
-    per rank; global scope, all ranks draw the same (they must agree). `mini` counts the step's optimizer steps over
-    its passes (epoch x mini-batches + mini-batch), so a later pass draws afresh and the first draws as ever."""
+    per rank; global scope, all ranks draw the same (they must agree). `update` counts the step's optimizer steps
+    over its passes (epoch x mini-batches + mini-batch), so a later pass draws afresh and the first draws as ever."""
     rank = 0 if setup.cfg.loss.scope == "global" else setup.rank
-    seed = (setup.cfg.train.seed * 1_000_003 + step * 10_007 + mini * 101 + micro * 7 + rank * 1_009) % 2**63
+    seed = (setup.cfg.train.seed * 1_000_003 + step * 10_007 + update * 101 + micro * 7 + rank * 1_009) % 2**63
     return torch.Generator().manual_seed(seed)
 
 

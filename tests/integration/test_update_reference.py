@@ -253,6 +253,19 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
     return {k: v.detach().clone() for k, v in named_weights(model, lambda params: nullcontext())}, fracs, weights
 
 
+def actor_step(cfg: Config, model_path: str, samples: list[TrainSample]) -> tuple[dict, dict, dict]:
+    """(the initial weights, the step's metrics, the weights rank 0 exports after it) of one step of a real
+    PolicyGroup on `samples`, its actors shut down whatever happens."""
+    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(model_path).state_dict().items()}
+    group = PolicyGroup(cfg, model_path)
+    try:
+        metrics = group.train_step(samples, STEP)
+        actor = group.call_all("export_weights")[0]
+    finally:
+        group.shutdown()
+    return initial, metrics, actor
+
+
 @pytest.mark.parametrize(
     "loss, scope, workers, shared_prefix, within, lora",
     [("kl_cov", "micro_batch", 1, "on", "", 0), ("clip_cov", "micro_batch", 1, "off", "", 0),
@@ -271,13 +284,7 @@ def test_one_actor_step_equals_the_reference_step(
     and the exported weights are the base with the adapters' update merged."""
     cfg = config(loss, scope, workers, shared_prefix, within, lora)
     samples, old_rows = make_batch(tiny_model)
-    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
-    group = PolicyGroup(cfg, tiny_model)
-    try:
-        metrics = group.train_step(samples, STEP)
-        actor = group.call_all("export_weights")[0]
-    finally:
-        group.shutdown()
+    initial, metrics, actor = actor_step(cfg, tiny_model, samples)
     expected, fracs, weights = reference_step(tiny_model, cfg, samples, old_rows, workers)
 
     def deviation(state: dict) -> float:
@@ -343,13 +350,7 @@ def test_two_passes_over_the_batch_equal_the_reference_steps(
     then. A reference of one pass misses by far."""
     cfg = config(loss, scope, workers, shared_prefix, epochs=2)
     samples, old_rows = make_batch(tiny_model)
-    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
-    group = PolicyGroup(cfg, tiny_model)
-    try:
-        metrics = group.train_step(samples, STEP)
-        actor = group.call_all("export_weights")[0]
-    finally:
-        group.shutdown()
+    initial, metrics, actor = actor_step(cfg, tiny_model, samples)
     expected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers)
     one_pass, _, _ = reference_step(tiny_model, config(loss, scope, workers, shared_prefix), samples, old_rows, workers)
 
@@ -373,13 +374,7 @@ def test_bypass_step_equals_the_reference_step_against_the_rollout_log_probs(ray
     cfg.offpolicy.bypass = True  # a new flag: the legacy --async.is_correction on of config() is ignored
     samples, old_rows = make_batch(tiny_model)
     rollout_rows = [torch.tensor(s.rollout_log_probs) for s in samples]
-    initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
-    group = PolicyGroup(cfg, tiny_model)
-    try:
-        metrics = group.train_step(samples, STEP)
-        actor = group.call_all("export_weights")[0]
-    finally:
-        group.shutdown()
+    initial, metrics, actor = actor_step(cfg, tiny_model, samples)
     assert metrics["train/old_pass_micro_batches"] == 0
     expected, _, _ = reference_step(tiny_model, cfg, samples, rollout_rows, 1)
     update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)

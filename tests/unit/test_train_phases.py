@@ -61,5 +61,6 @@ def test_a_global_selection_in_a_later_pass_reads_the_weights_as_they_are_then(m
 
     monkeypatch.setattr(train_phases, "pooled_selection", pooled_selection)
     for epoch, mini in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        train_phases.select_globally(RankSetup(cfg, 0, 1, 0), ENGINE, s, mini, s.minis[mini], LossContext(), epoch)
+        update = epoch * len(s.minis) + mini  # optimizer_step's count of the step's optimizer steps
+        train_phases.select_globally(RankSetup(cfg, 0, 1, 0), ENGINE, s, update, s.minis[mini], LossContext())
     assert seen == [-1.0, -2.0, -2.0, -2.0]
