@@ -108,11 +108,18 @@ def test_processes_that_will_not_die_fail_in_time_naming_them(orphan, monkeypatc
     assert time.monotonic() - t0 < 10
 
 
+# prints a line once its interpreter runs, then sleeps. Popen returns when exec closes the child's close-on-exec
+# pipe, which the kernel does before it lays out the new program's environment: until that line is read,
+# /proc/PID/environ can still be empty and the mark unseen (CI caught that window once).
+ANNOUNCED_SLEEPER = "print('up', flush=True); import time; time.sleep(600)"
+
+
 # a child that, once told to (a line on stdin), starts a grandchild, prints its pid, and then either sleeps or exits
 LATE_SPAWNER = (
     "import subprocess, sys, time\n"
     "sys.stdin.readline()\n"
-    "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    f"grandchild = subprocess.Popen([sys.executable, '-c', {ANNOUNCED_SLEEPER!r}], stdout=subprocess.PIPE)\n"
+    "grandchild.stdout.readline()\n"  # its environment, and so its mark, is readable from here on
     "print(grandchild.pid, flush=True)\n"
     "time.sleep(600 if sys.argv[1] == 'stay' else 0)\n"
 )
@@ -151,10 +158,11 @@ def test_a_grandchild_started_after_the_record_is_reaped(child_exits, tmp_path, 
 
 def test_marked_processes_are_found_and_unmarked_ones_are_not():
     key = f"mark-under-test-{os.getpid()}"
-    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-    marked = subprocess.Popen(sleeper, env={**os.environ, reaper.MARK: key})
-    plain = subprocess.Popen(sleeper)
+    sleeper = [sys.executable, "-c", ANNOUNCED_SLEEPER]
+    marked = subprocess.Popen(sleeper, env={**os.environ, reaper.MARK: key}, stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen(sleeper, stdout=subprocess.PIPE, text=True)
     try:
+        assert marked.stdout.readline() == "up\n" and plain.stdout.readline() == "up\n"
         assert [pid for pid, _ in reaper.marked_processes(key)] == [marked.pid]
         assert reaper.reap([], "marked only", key=key) == [marked.pid]
         assert not running(marked.pid) and running(plain.pid)
