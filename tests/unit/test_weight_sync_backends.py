@@ -132,7 +132,7 @@ def test_nccl_finish_aborts_the_communicator_at_the_deadline_instead_of_hanging(
         WeightSyncError, match=r"weight sync rank 0: the broadcast did not finish within 0.2 s; .*abort"
     ):
         group.finish()
-    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert 0.2 <= time.monotonic() - t0 < 10.0  # the upper bound only says it returned, with slack for a busy machine
     assert comm.destroyed == 1 and group.comm is None
 
 
