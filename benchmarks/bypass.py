@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from loss_overhead import fixed_batch as loss_overhead_batch  # the scripts' folder is on sys.path
-from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 # torch, Ray, transformers and the package are imported inside the functions that use them: `--help` stays fast.
 
@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(ts) != args.repeats or min(ts) <= 0 for ts in times.values()):
         print(f"error: could not measure: {min(len(t) for t in times.values())} timed steps of {args.repeats}")
         return 1
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; load average (1 min) before / after: "
-          f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(machine_line(load_before))
     print(
         f"\npolicy train step, {args.loss}: model {args.model} ({args.dtype}), {args.samples} sequences x "
         f"({args.prompt_len} prompt + <= {args.response_len} response) tokens, micro-batch {args.micro_batch}, "

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -152,9 +154,9 @@ def main() -> int:
 
     print(
         f"model {model_path} ({dtype}), {args.prompts} prompts x {args.n} responses x {args.max_new_tokens} tokens, "
-        f"T={args.temperature}, top_p={args.top_p}, {args.threads} threads, best of {args.repeats} interleaved; "
-        f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        f"T={args.temperature}, top_p={args.top_p}, {args.threads} threads, best of {args.repeats} interleaved"
     )
+    print(machine_line(load_before))
     print(f"{'engine':<24}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     for name, seconds, tokens in rows:
         print(f"{name:<24}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>12.1f}")

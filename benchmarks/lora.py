@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 from memory import (  # benchmarks/memory.py: the run and its sampler
     DRIVER,
     GIB,
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  per step, {key}: " + ", ".join(f"{s[key]:.3f}" if key in s else "-" for s in m.metrics))
         sys.stdout.flush()
 
-    print(f"\nmachine: {cpu_model()}, {os.cpu_count()} CPUs; load average (1 min) before / after: "
-          f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("\n" + machine_line(load_before))
     print(
         f"kl_cov demo, {args.steps} steps per arm, flags {' '.join(pipeline_flags) or '(the demo defaults)'}; "
         f"means over steps 2..{args.steps}; ratios to {results[0].name}\n"

@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 # torch, Ray, transformers and the package are imported inside the functions that use them: `--help` stays fast.
 
@@ -305,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tmp.cleanup()
 
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; load average (1 min) before / after: "
-          f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(machine_line(load_before))
     baseline = Variant(BASELINE, "micro_batch").label
     if times:
         print(

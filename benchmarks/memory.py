@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 LIMIT_GIB = 16.0
@@ -210,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = m.sampler
     print(
         f"\n{args.pipeline} run, {args.steps} steps, flags {' '.join(pipeline_flags) or '(the demo defaults)'}: "
-        f"{m.seconds:.0f} s, {sampler.samples} samples every {args.interval} s; load average before / after: "
-        f"{m.load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        f"{m.seconds:.0f} s, {sampler.samples} samples every {args.interval} s"
     )
+    print(machine_line(m.load_before))
     print(f"{'group':<34}{'processes':>10}{'peak RSS GiB':>14}{'peak PSS GiB':>14}{'sum VmHWM GiB':>15}")
     for group in sorted(sampler.groups, key=group_order):
         p = sampler.groups[group]

@@ -20,6 +20,7 @@ import sys
 import time
 
 import ray
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 import entropy_openrlhf  # noqa: F401  (keeps a local Ray on loopback)
 from entropy_openrlhf.cluster import init_ray
@@ -126,7 +127,7 @@ def main() -> int:
     )
     for g, t, s, a, up, bound, eff in rows:
         print(f"{g:5.2f} {t:5.2f} {s:12.3f} {a:13.3f} {up:9.3f} {bound:6.3f} {eff:9.3f}")
-    print(f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
+    print(machine_line(load_before))
     if not rows or any(r[3] <= 0 for r in rows):
         print("overlap_efficiency: not measured")
         return 1

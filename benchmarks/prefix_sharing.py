@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = "prefix_sharing_step_speedup"
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tmp.cleanup()
 
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; load average (1 min) before / after: "
-          f"{load_before:.1f} / {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(machine_line(load_before))
     for shape, times in results.items():
         prompts, n, p_len, r_len, micro = SHAPES[shape]
         print(f"\n{shape}: model {args.model}, {prompts} prompt(s) x {n} responses, {p_len}-token prompts, responses "

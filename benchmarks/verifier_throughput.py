@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import cpu_model  # benchmarks/machine.py: the scripts' folder is on sys.path
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "math_verifier_cases.jsonl"
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: could not measure: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
-    print(f"load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
+    print(f"{machine_line(load_before)}; Python {sys.version.split()[0]}")
     print(f"corpus: {len(cases)} cases; cold = 1 pass, warm = {args.repeats} passes ({n} checks)")
     print(f"{'setup':<26}{'cold s':>8}{'cold checks/s':>15}{'warm s':>8}{'warm checks/s':>15}{'wrong':>7}")
     for name, cold, warm, wrong in rows:

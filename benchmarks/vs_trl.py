@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
 HEADLINE = "ours_async_over_trl"
@@ -272,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model} ({dtype}); {args.prompts} prompts x {args.n} samples x <= {args.max_new_tokens} tokens "
         f"per step, micro-batch {args.micro_batch}, {args.mini_batches} optimizer steps per batch; steps "
-        f"2..{args.steps} timed; TRL {versions['trl']} (transformers {versions['transformers']}); "
-        f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        f"2..{args.steps} timed; TRL {versions['trl']} (transformers {versions['transformers']})"
     )
+    print(machine_line(load_before))
     print(f"{'run':<40}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'mean len':>10}{'reward':>8}{'vs TRL':>8}")
     for name, r in rows:
         rate = r["samples"] / r["seconds"]

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import machine_line  # benchmarks/machine.py: the scripts' folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 # engine vs policy after a sync, by dtype: fp32 differs by ~1e-6, bf16 SmolLM2 by ~0.01 (CPU)
 MAX_LOGPROB_GAP = {"float32": 1e-3, "bfloat16": 0.05}
@@ -207,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"{args.engines} engine(s), 1 policy rank; median of {args.repeats} syncs per path, paths interleaved; "
-        f"rollout batch {args.prompts} prompts x {args.n} samples x <= {args.max_new_tokens} tokens; "
-        f"load average before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        f"rollout batch {args.prompts} prompts x {args.n} samples x <= {args.max_new_tokens} tokens"
     )
+    print(machine_line(load_before))
     header = f"{'model':<10}{'dtype':<10}{'path':<14}{'MB':>8}{'s/sync':>9}{'MB/s':>9}{'gen s':>8}{'sync/gen':>10}"
     print(header + f"{'setup s':>9}")
     for r in results:

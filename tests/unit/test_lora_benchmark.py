@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import memory
-
-sys.path.insert(0, str(Path(memory.__file__).parent))  # lora.py imports its neighbours as a script does
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the scripts import their neighbours
 import lora  # noqa: E402 - needs the path above
+import memory  # noqa: E402
 
 
 def fake_measurement(policy_gib: float, step_s: list[float], reference_gib: float | None = None) -> memory.Measurement:
