@@ -71,3 +71,27 @@ def source_metrics(samples: list[Sample]) -> dict[str, float]:
         metrics[f"reward/{source}/mean"] = sum(s.reward for s in group) / n
         metrics[f"rollout/{source}/response_len"] = sum(len(s.response_token_ids) for s in group) / n
     return metrics
+
+
+COUNTED = ("reward/timeouts", "reward/errors")  # reward metrics that count responses: summed over rounds
+
+
+def merge_reward_metrics(rounds: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The step's `reward/*` metrics over every response generated in it, from each generation round's (its number
+    of responses, its metrics): with dynamic sampling a step generates several rounds. Counts add up, `reward/std`
+    pools the rounds' variances about the step's mean, and every other metric (a mean over a round's responses) is
+    the mean weighted by responses, over the rounds that logged it."""
+    if len(rounds) == 1:
+        return dict(rounds[0][1])
+    merged: dict[str, float] = {}
+    for key in sorted({k for _, m in rounds for k in m}):
+        have = [(n, m[key]) for n, m in rounds if key in m]
+        if key in COUNTED:
+            merged[key] = sum(v for _, v in have)
+        elif key != "reward/std":
+            merged[key] = sum(n * v for n, v in have) / sum(n for n, _ in have)
+    if all("reward/std" in m and "reward/mean" in m for _, m in rounds):
+        total = sum(n for n, _ in rounds)
+        second_moment = sum(n * (m["reward/std"] ** 2 + m["reward/mean"] ** 2) for n, m in rounds) / total
+        merged["reward/std"] = max(second_moment - merged["reward/mean"] ** 2, 0.0) ** 0.5
+    return merged

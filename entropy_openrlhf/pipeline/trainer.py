@@ -32,7 +32,14 @@ from entropy_openrlhf.algorithms.objectives import get_objective
 from entropy_openrlhf.algorithms.overlong import overlong_penalty
 from entropy_openrlhf.cluster import NodeWatch
 from entropy_openrlhf.config import Config
-from entropy_openrlhf.pipeline.batches import Batch, PromptStream, group_rewards, mixed_sources, source_metrics
+from entropy_openrlhf.pipeline.batches import (
+    Batch,
+    PromptStream,
+    group_rewards,
+    merge_reward_metrics,
+    mixed_sources,
+    source_metrics,
+)
 from entropy_openrlhf.pipeline.checkpoints import Checkpointing
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
@@ -129,8 +136,11 @@ class Trainer(Checkpointing, NodeLossHandling):
 
     # ------------------------------------------------------------------ producer side
 
-    def _generate_groups(self, prompts: list[PromptItem], metrics: dict[str, float]) -> list[list[Sample]]:
-        """One group of scored samples per prompt: the rollout function's (`--rollout.function`), then rewards."""
+    def _generate_groups(
+        self, prompts: list[PromptItem], metrics: dict[str, float], reward_rounds: list[tuple[int, dict[str, float]]]
+    ) -> list[list[Sample]]:
+        """One group of scored samples per prompt: the rollout function's (`--rollout.function`), then rewards. Adds
+        its seconds to `metrics` and (its responses, its `reward/*` metrics) to `reward_rounds`."""
         cfg = self.cfg
         n = cfg.rollout.n_samples_per_prompt
         t0 = time.time()
@@ -146,8 +156,6 @@ class Trainer(Checkpointing, NodeLossHandling):
         t0 = time.time()
         samples, reward_metrics = self.reward.score([s for g in groups for s in g])
         metrics["time/reward"] = metrics.get("time/reward", 0.0) + time.time() - t0
-        for k, v in reward_metrics.items():
-            metrics.setdefault(k, v)
         if cfg.reward.overlong_buffer_len:  # DAPO's soft penalty, in training only: evaluation scores the verifier's
             penalties = [
                 overlong_penalty(len(s.response_token_ids), cfg.rollout.max_new_tokens,
@@ -157,21 +165,23 @@ class Trainer(Checkpointing, NodeLossHandling):
             for s, penalty in zip(samples, penalties):
                 s.reward += penalty
                 s.reward_info["overlong_penalty"] = penalty
-            metrics.setdefault("reward/overlong_penalty_mean", sum(penalties) / len(penalties))
+            reward_metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        reward_rounds.append((len(samples), reward_metrics))
         return [samples[i : i + n] for i in range(0, len(samples), n)]
 
     def _make_batch(self, step: int) -> Batch:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         metrics["time/sync"] = self.sync.make_current()
-        groups = self._generate_groups(self.stream.next_batch(), metrics)
+        reward_rounds: list[tuple[int, dict[str, float]]] = []  # one per generation round
+        groups = self._generate_groups(self.stream.next_batch(), metrics, reward_rounds)
         if cfg.algo.dynamic_sampling:
             # DAPO's filter: groups whose rewards are all equal have zero advantage and teach nothing
             kept = [g for g in groups if len({s.reward for s in g}) > 1]
             dropped = [g for g in groups if len({s.reward for s in g}) <= 1]
             rounds = 1
             while len(kept) < cfg.rollout.batch_size and rounds < cfg.algo.max_gen_batches:
-                more = self._generate_groups(self.stream.next_batch(), metrics)
+                more = self._generate_groups(self.stream.next_batch(), metrics, reward_rounds)
                 kept += [g for g in more if len({s.reward for s in g}) > 1]
                 dropped += [g for g in more if len({s.reward for s in g}) <= 1]
                 rounds += 1
@@ -179,6 +189,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             metrics["rollout/gen_rounds"] = rounds
             # the batch shape stays fixed (DeepSpeed's accumulation steps): top up with zero-advantage groups
             groups = (kept + dropped)[: cfg.rollout.batch_size]
+        metrics.update(merge_reward_metrics(reward_rounds))  # over every response generated, all rounds
         if self.reference is not None:
             t0 = time.time()
             flat = [s for g in groups for s in g]
