@@ -19,6 +19,7 @@ from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfi
 from entropy_openrlhf.config.sections.rollout import RolloutConfig
 from entropy_openrlhf.config.sections.train import AsyncConfig, SyncConfig, TrainConfig
 from entropy_openrlhf.options import option as _f
+from entropy_openrlhf.presets import PRESETS
 
 
 @dataclass
@@ -39,9 +40,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    preset: str = _f(
-        "", "named preset applied before the flags: smoke | clip-cov-small | qwen2.5-7b-dapo | qwen2.5-32b-dapo"
-    )
+    preset: str = _f("", f"named preset applied before the flags: {' | '.join(PRESETS)}")
 
     def flatten(self) -> dict[str, Any]:
         return dict(_walk(self))
