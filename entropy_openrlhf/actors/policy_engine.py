@@ -3,13 +3,13 @@
 call, so that the GPU check steps the very engine the trainer trains.
 
 The learning-rate schedule (`--actor.lr_scheduler`, `--actor.lr_warmup_steps`, `--actor.min_lr_ratio`) counts
-optimizer steps: a run takes `train.num_steps x train.mini_batches` of them (`total_optimizer_steps`). It is one of
-transformers' schedules (OpenRLHF builds its actor's the same way, with `get_scheduler`), handed to
-`deepspeed.initialize`, so DeepSpeed owns it: the engine steps it once per applied optimizer step (at the
-gradient-accumulation boundary, never per micro-batch; a step skipped for a non-finite gradient does not advance
-it, so a skip delays the rest of the schedule by one step), and `save_checkpoint` / `load_checkpoint` write and
-restore its state with the model's (deepspeed/runtime/engine.py, `_take_model_step`, `lr_scheduler` in the
-checkpoint). A resumed run continues the schedule where the checkpoint left it.
+optimizer steps: a run takes `train.num_steps x train.mini_batches x train.ppo_epochs` of them
+(`total_optimizer_steps`). It is one of transformers' schedules (OpenRLHF builds its actor's the same way, with
+`get_scheduler`), handed to `deepspeed.initialize`, so DeepSpeed owns it: the engine steps it once per applied
+optimizer step (at the gradient-accumulation boundary, never per micro-batch; a step skipped for a non-finite
+gradient does not advance it, so a skip delays the rest of the schedule by one step), and `save_checkpoint` /
+`load_checkpoint` write and restore its state with the model's (deepspeed/runtime/engine.py, `_take_model_step`,
+`lr_scheduler` in the checkpoint). A resumed run continues the schedule where the checkpoint left it.
 
 Actor-only, like train_phases.py: DeepSpeed and transformers read their settings (DS_ACCELERATOR, HF_HUB_OFFLINE)
 when imported, so a caller imports this module after setting them: a policy rank after `set_cpu_defaults`,

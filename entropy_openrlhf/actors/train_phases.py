@@ -256,7 +256,8 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     sources = s.sources[i] if s.sources else []
     for source in sorted({name for name in sources if name}):
         rows = torch.tensor([name == source for name in sources], device=b.mask.device)
-        s.add(f"entropy/{source}/seq_mean", entropy_stats(s.entropies[i][rows], b.mask[rows])["seq_mean"])
+        if b.mask[rows].any():  # every token of the source masked (--loss.mask_truncated): no entropy, not a 0
+            s.add(f"entropy/{source}/seq_mean", entropy_stats(s.entropies[i][rows], b.mask[rows])["seq_mean"])
     s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
     # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
     gap = (r - lp).abs() * b.mask

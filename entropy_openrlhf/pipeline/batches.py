@@ -80,7 +80,8 @@ def merge_reward_metrics(rounds: list[tuple[int, dict[str, float]]]) -> dict[str
     """The step's `reward/*` metrics over every response generated in it, from each generation round's (its number
     of responses, its metrics): with dynamic sampling a step generates several rounds. Counts add up, `reward/std`
     pools the rounds' variances about the step's mean, and every other metric (a mean over a round's responses) is
-    the mean weighted by responses, over the rounds that logged it."""
+    the mean weighted by responses, over the rounds that logged it (exact for a metric every response of a round
+    gives, as the reward group's own do; a verifier's log that only some responses give is weighted by all)."""
     if len(rounds) == 1:
         return dict(rounds[0][1])
     merged: dict[str, float] = {}

@@ -47,6 +47,7 @@ class Checkpointing:
             "stream_offset": stream_after[1],
             "seed": self.cfg.train.seed,
             "train_prompts": len(self.train_items),
+            "optimizer_steps_per_step": self.cfg.train.mini_batches * self.cfg.train.ppo_epochs,
             "entropy_ctl": self.entropy_ctl.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -121,6 +122,17 @@ def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
                 f"--train.resume: {ckpt} was written with {flag} {state[key]}, this run has {now}; "
                 "its prompt-stream position would not match"
             )
+    # DeepSpeed restores the scheduler's count of optimizer steps: with other steps per RL step, a warmup or a
+    # decay would end early or late (a constant rate does not care)
+    per_step = cfg.train.mini_batches * cfg.train.ppo_epochs
+    shaped = cfg.actor.lr_scheduler != "constant" or cfg.actor.lr_warmup_steps > 0
+    if shaped and state.get("optimizer_steps_per_step", per_step) != per_step:
+        raise ConfigError(
+            f"--train.resume: {ckpt} was written with {state['optimizer_steps_per_step']} optimizer steps per RL step "
+            f"(--train.mini_batches x --train.ppo_epochs), this run has {per_step}; the learning-rate schedule "
+            f"(--actor.lr_scheduler {cfg.actor.lr_scheduler}, --actor.lr_warmup_steps {cfg.actor.lr_warmup_steps}) "
+            "counts optimizer steps, so its position would not match"
+        )
     return ckpt, state
 
 

@@ -1,4 +1,5 @@
-"""Which checkpoint a resume continues from, and the runs it refuses (another seed or prompt count)."""
+"""Which checkpoint a resume continues from, and the runs it refuses (another seed or prompt count, or other
+optimizer steps per RL step under a learning-rate schedule)."""
 
 import json
 
@@ -40,3 +41,17 @@ def test_another_prompt_count_is_refused_naming_the_flags(tmp_path):
     save(tmp_path, 2, prompts=64)
     with pytest.raises(ConfigError, match=r"--data.train / --data.max_samples \(prompt count\) 64, this run has 32"):
         resume_point(cfg_in(tmp_path), 32)
+
+
+def test_other_optimizer_steps_per_step_are_refused_under_a_schedule_only(tmp_path):
+    save(tmp_path, 2)
+    state_path = tmp_path / "checkpoints" / "step2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({**state, "optimizer_steps_per_step": 4}))  # 2 mini-batches x 2 passes
+    cosine = ("--actor.lr_scheduler", "cosine", "--train.mini_batches", "2")
+    with pytest.raises(ConfigError, match=r"step2 was written with 4 optimizer steps per RL step .* this run has 2"):
+        resume_point(cfg_in(tmp_path, *cosine), 64)
+    assert resume_point(cfg_in(tmp_path, *cosine, "--train.ppo_epochs", "2"), 64) is not None  # the same 4
+    assert resume_point(cfg_in(tmp_path, "--train.mini_batches", "2"), 64) is not None  # a constant rate: no matter
+    with pytest.raises(ConfigError, match=r"--actor.lr_warmup_steps 3\) counts optimizer steps"):
+        resume_point(cfg_in(tmp_path, "--actor.lr_warmup_steps", "3", "--train.mini_batches", "2"), 64)

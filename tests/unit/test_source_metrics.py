@@ -62,6 +62,20 @@ def test_each_rank_logs_the_entropy_of_each_source_it_holds():
     assert s.metrics["entropy/seq_mean"] == pytest.approx([sum(per_response) / 4])
 
 
+def test_a_source_whose_tokens_are_all_masked_logs_no_entropy_in_that_micro_batch():
+    cfg = from_args(["--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "3", "--train.mini_batches", "1",
+                     "--actor.micro_batch_size", "3", "--train.shared_prefix", "off"])  # fmt: skip
+    samples = [TrainSample([1, 2], [7, 7], 1.0, [-0.5, -0.5], data_source=src) for src in ("aime", "math", "math")]
+    s = prepare_step(RankSetup(cfg, 0, 1, pad_id=0), ENGINE, samples, step=0, strength_scale=1.0, entropy_coef=None)
+    (b,) = s.batches
+    b.mask[0] = 0  # the aime response cut at the length limit under --loss.mask_truncated
+    entropy = torch.rand(b.mask.shape)
+    s.entropies[0], s.old_lp[0] = entropy, s.rollout_lp[0].clone()
+    observe_old(cfg, s, 0)
+    assert "entropy/aime/seq_mean" not in s.metrics  # a 0 here would pull the step's aime entropy down
+    assert s.metrics["entropy/math/seq_mean"] == pytest.approx([float(entropy[1:, 1:3].mean())])
+
+
 def test_without_sources_a_rank_logs_no_entropy_by_source():
     cfg = from_args(["--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", "2", "--train.mini_batches", "1",
                      "--train.shared_prefix", "off"])  # fmt: skip
