@@ -47,7 +47,7 @@ class Checkpointing:
             "stream_offset": stream_after[1],
             "seed": self.cfg.train.seed,
             "train_prompts": len(self.train_items),
-            "optimizer_steps_per_step": self.cfg.train.mini_batches * self.cfg.train.ppo_epochs,
+            "optimizer_steps_per_step": self.cfg.train.optimizer_steps_per_step,
             "entropy_ctl": self.entropy_ctl.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -124,7 +124,7 @@ def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
             )
     # DeepSpeed restores the scheduler's count of optimizer steps: with other steps per RL step, a warmup or a
     # decay would end early or late (a constant rate does not care)
-    per_step = cfg.train.mini_batches * cfg.train.ppo_epochs
+    per_step = cfg.train.optimizer_steps_per_step
     shaped = cfg.actor.lr_scheduler != "constant" or cfg.actor.lr_warmup_steps > 0
     if shaped and state.get("optimizer_steps_per_step", per_step) != per_step:
         raise ConfigError(

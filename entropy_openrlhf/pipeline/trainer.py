@@ -179,14 +179,12 @@ class Trainer(Checkpointing, NodeLossHandling):
             # DAPO's filter: groups whose rewards are all equal have zero advantage and teach nothing
             kept = [g for g in groups if len({s.reward for s in g}) > 1]
             dropped = [g for g in groups if len({s.reward for s in g}) <= 1]
-            rounds = 1
-            while len(kept) < cfg.rollout.batch_size and rounds < cfg.algo.max_gen_batches:
+            while len(kept) < cfg.rollout.batch_size and len(reward_rounds) < cfg.algo.max_gen_batches:
                 more = self._generate_groups(self.stream.next_batch(), metrics, reward_rounds)
                 kept += [g for g in more if len({s.reward for s in g}) > 1]
                 dropped += [g for g in more if len({s.reward for s in g}) <= 1]
-                rounds += 1
             metrics["rollout/dynamic_kept_frac"] = len(kept) / max(1, len(kept) + len(dropped))
-            metrics["rollout/gen_rounds"] = rounds
+            metrics["rollout/gen_rounds"] = len(reward_rounds)
             # the batch shape stays fixed (DeepSpeed's accumulation steps): top up with zero-advantage groups
             groups = (kept + dropped)[: cfg.rollout.batch_size]
         metrics.update(merge_reward_metrics(reward_rounds))  # over every response generated, all rounds

@@ -151,7 +151,7 @@ def validate(params: KLCovConfig, cfg) -> list[str]:
 def notes(params: KLCovConfig, cfg) -> list[str]:
     # under --offpolicy.bypass pi_old is the rollout's log-probs, which differ from the trainer's (async lag,
     # vLLM's numerics): |logp - old_logp| is not 0 at the first step, so the penalty acts there too
-    if cfg.train.mini_batches * cfg.train.ppo_epochs == 1 and not cfg.offpolicy.uses_bypass():
+    if cfg.train.optimizer_steps_per_step == 1 and not cfg.offpolicy.uses_bypass():
         return [
             "KL-Cov with one optimizer step per rollout batch acts as plain policy gradient: on-policy, "
             "|logp - old_logp| = 0, so the penalty has no gradient. Use --train.mini_batches > 1 (the paper: 8)."

@@ -56,6 +56,11 @@ class TrainConfig(Section):
         "logits at once (0): bounds the logits' memory, ~1.8 MiB per token at a 152k vocabulary, for long responses",
     )
 
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps in one RL step: one per mini-batch in each of the passes (what the lr schedule counts)."""
+        return self.mini_batches * self.ppo_epochs
+
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
