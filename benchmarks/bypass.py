@@ -96,7 +96,8 @@ def time_steps(args, model_path: str) -> tuple[dict[str, list[float]], dict[str,
     try:
         for r in range(args.repeats + 1):  # repeat 0 is the warm-up
             for name in names if r % 2 == 0 else names[::-1]:
-                ray.get([a.__ray_call__.remote(set_offpolicy, configs[name].offpolicy) for a in group.actors])
+                settings = configs[name].offpolicy
+                ray.get([a.__ray_call__.remote(set_offpolicy, settings) for a in group.actors], timeout=120)
                 metrics = group.train_step(batch, step)
                 step += 1
                 if r > 0:

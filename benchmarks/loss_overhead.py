@@ -157,7 +157,7 @@ def time_steps(args, model_path: str, runs: list[Variant]) -> tuple[dict[str, li
         for r in range(args.repeats + 1):  # repeat 0 is the warm-up
             k = r % len(runs)
             for v in runs[k:] + runs[:k]:
-                ray.get([a.__ray_call__.remote(set_loss, losses[v.label]) for a in group.actors])
+                ray.get([a.__ray_call__.remote(set_loss, losses[v.label]) for a in group.actors], timeout=120)
                 metrics = group.train_step(batch, step)
                 step += 1
                 if r > 0:

@@ -167,7 +167,7 @@ def measure(steps: int, pipeline_flags: list[str], pipeline: str = "kl_cov", int
     finally:
         sampled_to_the_end = sampler.is_alive()
         sampler.stop.set()
-        sampler.join()
+        sampler.join(timeout=30)  # it checks `stop` every interval
         tmp.cleanup()
         if wandb_dir is not None:
             os.environ["WANDB_DIR"] = wandb_dir

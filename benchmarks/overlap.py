@@ -49,7 +49,7 @@ class StandInRollout:
         self.version = 0
 
     def generate(self, prompts: list[PromptItem], *, n: int, policy_version: int, **_) -> list[Sample]:
-        ray.get(self.actor.hold.remote(self.seconds))
+        ray.get(self.actor.hold.remote(self.seconds), timeout=self.seconds + 60)
         return [
             Sample(p.index, p.prompt, [1, 2], f"r{j}", [3, 4], [-1.0, -1.0], p.label, policy_version)
             for p in prompts
@@ -77,7 +77,7 @@ class StandInPolicy:
     def train_step(
         self, samples, step: int, strength_scale: float = 1.0, entropy_coef: float | None = None
     ) -> dict[str, float]:
-        ray.get(self.actor.hold.remote(self.seconds))
+        ray.get(self.actor.hold.remote(self.seconds), timeout=self.seconds + 60)
         return {"loss/policy": 0.0}
 
     def call_all(self, method: str, *args, timeout_s: float | None = None, what: str = "") -> list:

@@ -106,8 +106,8 @@ def time_shape(shape: str, model_path: str, repeats: int) -> dict[str, dict[str,
         for r in range(repeats + 1):  # repeat 0 warms every variant up
             k = r % len(MODES)
             for mode in MODES[k:] + MODES[:k]:
-                ray.get([a.__ray_call__.remote(set_mode, mode) for a in group.actors])
-                ray.get([a.__ray_call__.remote(set_mode, mode) for a in reference.actors])
+                ray.get([a.__ray_call__.remote(set_mode, mode) for a in group.actors], timeout=120)
+                ray.get([a.__ray_call__.remote(set_mode, mode) for a in reference.actors], timeout=120)
                 metrics = group.train_step(batch, step)
                 step += 1
                 t0 = time.perf_counter()

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
 HEADLINE = "ours_async_over_trl"
 RESULT_TAG = "TRL_RESULT "
+TRL_RUN_TIMEOUT_S = 3 * 3600.0  # the whole TRL run; a few minutes on two cores at the defaults
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,7 +174,12 @@ def run_trl(args: argparse.Namespace, model_path: str, data: str, dtype: str, tm
     # TRL's venv must not see ours (PYTHONPATH from `make`, say); offline like the rest of the project
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=TRL_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"TRL's GRPOTrainer did not finish {args.steps} steps within {TRL_RUN_TIMEOUT_S:.0f} s"
+        ) from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])

@@ -112,7 +112,7 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
     rollout = None
     try:
         rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as a run with these flags starts them
-        state = policy.call_all("export_weights")[0]
+        state = policy.call_all("export_weights", timeout_s=600, what="the policy's first export")[0]
         megabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         del state
@@ -139,12 +139,13 @@ def measure_model(name: str, args: argparse.Namespace, paths: list[str], tmp: st
 
         def gap() -> float:
             seq = [sample.prompt_token_ids], [sample.response_token_ids]
-            engine_lp, policy_lp = rollout.sequence_log_probs(*seq)[0], policy.call_all("forward_log_probs", *seq)[0][0]
+            engine_lp = rollout.sequence_log_probs(*seq)[0]
+            policy_lp = policy.call_all("forward_log_probs", *seq, timeout_s=600)[0][0]
             return max(abs(a - b) for a, b in zip(engine_lp, policy_lp, strict=True))
 
         def sync(path: str, check: bool) -> float:
             rollout_version[0] += 1
-            ray.get([a.__ray_call__.remote(nudge, rollout_version[0]) for a in policy.actors])
+            ray.get([a.__ray_call__.remote(nudge, rollout_version[0]) for a in policy.actors], timeout=600)
             if check:
                 result.gaps_before.append(gap())
             t0 = time.perf_counter()

@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_ATTEMPTS = 3  # ports picked for the ranks' rendezvous before a taken one fails the start
 
 
-def free_port() -> int:
+def free_port(host: str) -> int:
+    """A port free on `host`, the one address the rendezvous store will bind (never the wildcard)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1" if os.environ.get("MASTER_ADDR") == "127.0.0.1" else "", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -42,9 +43,8 @@ def free_port() -> int:
 def _rendezvous_address(local: bool) -> tuple[str, int]:
     """Rank 0's node address and a free port there. MASTER_ADDR counts only on a local cluster (127.0.0.1): raylets
     on a real cluster may have inherited one (SLURM sets it) that names another host."""
-    if local and os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"], free_port()
-    return ray.util.get_node_ip_address(), free_port()
+    host = os.environ["MASTER_ADDR"] if local and os.environ.get("MASTER_ADDR") else ray.util.get_node_ip_address()
+    return host, free_port(host)
 
 
 class ActorGroup:

@@ -54,6 +54,7 @@ PLACEMENT_TIMEOUT_S = 120.0
 # the group then reloads the current weights into it and generates its prompts again.
 ENGINE_MAX_RESTARTS = 3
 ENGINE_RESTART_TIMEOUT_S = 300.0  # a restart loads the model and starts vLLM: minutes for a large model
+GENERATE_TIMEOUT_S = 3600.0  # --rollout.generate_timeout_s's default, for groups built without a config
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -80,7 +81,7 @@ class RolloutGroup(ActorGroup):
         dtype: str = "auto",
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
-        generate_timeout_s: float = 0.0,
+        generate_timeout_s: float = GENERATE_TIMEOUT_S,
         custom_resources: dict[str, float] | None = None,
         placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
         start_timeout_s: float = ENGINE_RESTART_TIMEOUT_S,
@@ -190,7 +191,7 @@ class RolloutGroup(ActorGroup):
         results: list[list[Sample]] = [[] for _ in chunks]
         running = {}  # call -> (engine, attempt, start time)
         killed: set[ray.ObjectRef] = set()  # calls whose engine the deadline killed
-        poll_s = min(5.0, self.generate_timeout_s / 4) if self.generate_timeout_s > 0 else None
+        poll_s = min(5.0, self.generate_timeout_s / 4)
         for i, chunk in enumerate(chunks):
             if chunk:
                 ref = self.actors[i].generate.remote(chunk, require_version=self.version, **kwargs)
@@ -237,8 +238,8 @@ class RolloutGroup(ActorGroup):
     def recover(self, i: int, why: str, died: bool, reload: bool = True) -> None:
         """Wait until Ray has restarted engine `i`, then have the weight sync bring it back: load the current
         weights into it (a restarted engine starts from the initial model, and would otherwise tag old-policy samples
-        with the new version) and, with the collective sync, rebuild the broadcast group so that it includes the new
-        process. `reload` False: the caller is about to send every engine new weights anyway."""
+        with the new version); the collective sync also rebuilds its broadcast group around the new process before its
+        next broadcast. `reload` False: the caller is about to send every engine new weights anyway."""
         then = f"reloading policy version {self.version} into it" if reload else "the sync that follows loads it"
         log.warning("rollout engine %d %s: %s once it answers", i, why, then)
         t0 = time.monotonic()
@@ -280,13 +281,21 @@ class RolloutGroup(ActorGroup):
     def sequence_log_probs(
         self, prompt_token_ids: list[list[int]], response_token_ids: list[list[int]]
     ) -> list[list[float]]:
+        """The engines' log-probs of each response token (a check of the weights they hold: benchmarks, tests).
+        Raises TimeoutError naming the engines still running after `generate_timeout_s`."""
         pairs = list(zip(prompt_token_ids, response_token_ids, strict=True))
-        refs = [
-            actor.sequence_log_probs.remote([p for p, _ in chunk], [r for _, r in chunk])
-            for actor, chunk in zip(self.actors, _split(pairs, len(self.actors)))
+        calls = {
+            actor.sequence_log_probs.remote([p for p, _ in chunk], [r for _, r in chunk]): i
+            for i, (actor, chunk) in enumerate(zip(self.actors, _split(pairs, len(self.actors))))
             if chunk
-        ]
-        return [lp for part in ray.get(refs) for lp in part]
+        }
+        _, running = ray.wait(list(calls), num_returns=len(calls), timeout=self.generate_timeout_s)
+        if running:
+            raise TimeoutError(
+                f"rollout engine(s) {sorted(calls[r] for r in running)} did not return sequence log-probs within "
+                f"{self.generate_timeout_s:g} s (generate_timeout_s)"
+            )
+        return [lp for part in ray.get(list(calls)) for lp in part]
 
     def shutdown(self) -> None:
         """Kill the engines, end every process they started (by pid, on their nodes) and free the placement group.

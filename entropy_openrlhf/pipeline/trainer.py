@@ -109,7 +109,9 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.policy = PolicyGroup(cfg, self.model_path, local=local)
         if cfg.uses_reference and not cfg.starts_reference_group:  # LoRA: the base is the policy with its adapter off
             self.reference = AdapterOffReference(cfg, self.policy)
-        self.sync = make_weight_sync(cfg.sync, self.rollout, self.policy, lora=cfg.actor.lora_rank > 0)
+        self.sync = make_weight_sync(
+            cfg.sync, self.rollout, self.policy, lora=cfg.actor.lora_rank > 0, policy_busy_s=cfg.train.step_timeout_s
+        )
         self.sync.setup()
         self.startup_seconds = time.time() - t0
         self.actor_node_ids = self.actor_nodes()  # what the node watch reads (run)
@@ -282,6 +284,18 @@ class Trainer(Checkpointing, NodeLossHandling):
             self.cond.notify_all()
         return time.time() - t0
 
+    def _next_batch(self, producer: threading.Thread, step: int) -> Batch | BaseException:
+        """The producer's next item: a batch, or the error that stopped it. Each of the producer's waits has its own
+        deadline (generation, reward, reference, sync), so this one only watches that the thread is still there."""
+        while True:
+            try:
+                return self.queue.get(timeout=5.0)
+            except queue.Empty:
+                if not producer.is_alive() and self.queue.empty():
+                    raise RuntimeError(
+                        f"the rollout producer ended without handing over the batch for step {step}"
+                    ) from None
+
     def run(self, tracker=None, start_step: int = 0) -> list[dict[str, float]]:
         cfg = self.cfg
         self.start_step = self.latest_version = start_step
@@ -303,7 +317,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             for step in bar:
                 self.step_in_progress = step
                 t_step = time.time()
-                item = self.queue.get()
+                item = self._next_batch(producer, step)
                 if isinstance(item, BaseException):
                     raise item
                 batch: Batch = item

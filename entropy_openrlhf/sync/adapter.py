@@ -24,7 +24,6 @@ from safetensors.torch import save as safetensors_bytes
 
 from entropy_openrlhf.sync.base import Engines, Policy, PolicyRank, RankSender, WeightSync, wait_for_sync
 from entropy_openrlhf.sync.chunks import MB
-from entropy_openrlhf.sync.object_store import EXPORT_TIMEOUT_FLOOR_S
 
 ADAPTER_NAME = "default"  # peft's name for a model's one adapter, which its saved keys leave out
 
@@ -78,10 +77,7 @@ class AdapterSync(WeightSync):
         return "adapter only: the LoRA adapter through Ray's object store, served by vLLM's LoRA on the base"
 
     def publish(self, version: int) -> None:
-        # as long as the object store's export may wait: the policy's calls run in order behind a training step
-        files = self.on_policy(
-            "export", timeout_s=max(self.timeout_s, EXPORT_TIMEOUT_FLOOR_S), what="the adapter's export"
-        )[0]
+        files = self.on_policy("export", timeout_s=self.policy_deadline_s, what="the adapter's export")[0]
         self.metrics["sync/mb"] = sum(len(b) for b in files.values()) / MB
         with self._pending_lock:
             self.pending = (version, files)

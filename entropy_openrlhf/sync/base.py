@@ -169,6 +169,12 @@ def wait_for_sync(engine_refs: list, policy_refs: list, what: str, timeout_s: fl
         ray.get(done)  # re-raises the side's own error
 
 
+# A call on the policy ranks from the producer thread (an engine restarted mid-generation needs the weights again)
+# runs after any training step the trainer thread has started there: each rank runs its calls in order. Such a
+# call's deadline allows for that step; the trainer passes --train.step_timeout_s, others get this.
+POLICY_BUSY_S = 300.0
+
+
 class WeightSync(ABC):
     """One run's weight sync between `policy` and the engines of `rollout`. Building it attaches it to the rollout
     group as the group's way back for restarted engines (`engine_back`): the newest sync built for a group is its
@@ -184,15 +190,24 @@ class WeightSync(ABC):
         *,
         timeout_s: float = 120.0,
         max_chunk_mb: float = DEFAULT_MAX_CHUNK_MB,
+        policy_busy_s: float = POLICY_BUSY_S,
     ):
         self.rollout, self.policy, self.timeout_s, self.max_chunk_mb = rollout, policy, timeout_s, max_chunk_mb
+        self.policy_busy_s = policy_busy_s
         self.engine_lock = threading.Lock()
         self.metrics: dict[str, float] = {}  # timings a sync on the trainer thread measured, logged with its step
         rollout.weight_sync = self
 
-    def on_policy(self, op: str, *args: Any, timeout_s: float | None = None, what: str = "") -> list:
-        """Run operation `op` of this method's sender on every policy rank; their answers, in rank order (the
-        group's deadline and errors: actors/group.py `ActorGroup.wait`)."""
+    @property
+    def policy_deadline_s(self) -> float:
+        """The deadline of a call on the policy ranks that may wait behind a training step: the sync's own timeout
+        plus `policy_busy_s`, the longest a step may run (the trainer passes `--train.step_timeout_s`)."""
+        return self.timeout_s + self.policy_busy_s
+
+    def on_policy(self, op: str, *args: Any, timeout_s: float, what: str) -> list:
+        """Run operation `op` of this method's sender on every policy rank; their answers, in rank order. Raises
+        TimeoutError naming the policy group, `op` and `what` (what the call waits for) once `timeout_s` has passed
+        (actors/group.py `ActorGroup.wait`); both are required, so that no sync waits without a deadline."""
         return self.policy.wait(self.on_policy_async(op, *args), f"{self.method}.{op}", timeout_s=timeout_s, what=what)
 
     def on_policy_async(self, op: str, *args: Any) -> list[ray.ObjectRef]:

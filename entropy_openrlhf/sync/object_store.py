@@ -40,22 +40,17 @@ def put_chunks(state_dict: dict[str, torch.Tensor], max_chunk_mb: float) -> tupl
     return refs, stats
 
 
-# A re-export for a restarted engine may first wait for a training step the trainer thread started (the policy's
-# calls run in order): at least as long as Ray may take to restart an engine
-EXPORT_TIMEOUT_FLOOR_S = 300.0
-
-
-def export_weights(policy: Policy, timeout_s: float | None = None) -> dict[str, torch.Tensor]:
-    """The policy's full HF-named weights, from rank 0 (every rank takes part: ZeRO-3 gathers the shards). With
-    `timeout_s`, raises TimeoutError naming the policy group when its ranks have not answered by then."""
+def export_weights(policy: Policy, timeout_s: float) -> dict[str, torch.Tensor]:
+    """The policy's full HF-named weights, from rank 0 (every rank takes part: ZeRO-3 gathers the shards). Raises
+    TimeoutError naming the policy group when its ranks have not answered within `timeout_s`."""
     why = "its ranks run their calls in order: a long training step delays the export"
     return policy.call_all("export_weights", timeout_s=timeout_s, what=why)[0]
 
 
 def export_chunks(policy: Policy, max_chunk_mb: float, timeout_s: float) -> list[ray.ObjectRef]:
-    """A fresh export of the policy, put in the object store as chunks (for engines that restarted)."""
-    state = export_weights(policy, timeout_s=max(timeout_s, EXPORT_TIMEOUT_FLOOR_S))
-    return put_chunks(state, max_chunk_mb)[0]
+    """A fresh export of the policy within `timeout_s`, put in the object store as chunks (for engines that
+    restarted)."""
+    return put_chunks(export_weights(policy, timeout_s=timeout_s), max_chunk_mb)[0]
 
 
 def load_into_engine(rollout: Engines, i: int, refs: list[ray.ObjectRef], why: str, timeout_s: float) -> None:
@@ -86,7 +81,7 @@ class ObjectStoreSync(WeightSync):
         return "object store"
 
     def publish(self, version: int) -> None:
-        state = export_weights(self.policy)
+        state = export_weights(self.policy, timeout_s=self.policy_deadline_s)
         self.metrics = {"sync/mb": sum(t.numel() * t.element_size() for t in state.values()) / MB}
         with self._pending_lock:
             self.pending = (version, state)
@@ -117,7 +112,7 @@ class ObjectStoreSync(WeightSync):
         if self.synced is not None and self.synced[1] == self.rollout.version:
             refs = self.synced[0]
         elif self.policy is not None:
-            refs = export_chunks(self.policy, self.max_chunk_mb, self.timeout_s)
+            refs = export_chunks(self.policy, self.max_chunk_mb, self.policy_deadline_s)
         else:
             raise RuntimeError(
                 f"rollout engine {i} restarted; the sync holds no copy of policy version {self.rollout.version} to "

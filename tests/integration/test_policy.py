@@ -139,13 +139,13 @@ def test_a_taken_rendezvous_port_is_retried_on_a_new_one(ray_cluster, tiny_model
     from entropy_openrlhf.actors import group as policy
 
     holder = socket.socket()
-    holder.bind(("", 0))
+    holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
 
     class PickedPorts:  # stands in for the remote task that picks the port on rank 0's node
         def __init__(self):
-            self.ports = [taken, policy.free_port()]
+            self.ports = [taken, policy.free_port("127.0.0.1")]
 
         def options(self, **_):
             return self

@@ -191,7 +191,9 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
             policy_lp = weights.policy.call_all("forward_log_probs", *ids)[0]
             assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
         if method == "collective":
-            assert weights.weight_sync.rebuilds == 4  # one per restart
+            # one per sync that found restarted engines (0, 2 and 4): a restart found while generating (1, 3) is
+            # reloaded at once and rejoins the group at the next sync, on the trainer thread
+            assert weights.weight_sync.rebuilds == 3
         assert group.restarts == early + 3
     finally:
         if weights is not None:

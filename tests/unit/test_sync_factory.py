@@ -29,14 +29,16 @@ class Engines:
 
 
 class Policy:
-    """A policy group whose one rank exports nothing, and counts its exports."""
+    """A policy group whose one rank exports nothing, and counts its exports and their deadlines."""
 
     def __init__(self):
         self.exports = 0
+        self.deadlines: list[float | None] = []
 
     def call_all(self, method: str, *args, timeout_s: float | None = None, what: str = "") -> list:
         assert method == "export_weights", method  # the only call an object-store sync makes
         self.exports += 1
+        self.deadlines.append(timeout_s)
         return [{}]
 
 
@@ -106,6 +108,27 @@ def test_object_store_weights_wait_for_the_producer_and_the_newest_wins():
     assert sync.make_current() >= 0.0 and sync.engine_version == 2
     assert sync.pending is None and sync.make_current() == 0.0 and sync.engine_version == 2
     assert sync.synced is not None and sync.synced[1] == 2  # kept for an engine that restarts
+
+
+def test_an_export_s_deadline_allows_for_a_training_step_in_flight():
+    """The policy's ranks run their calls in order, so an export may start only after a training step: its deadline
+    is the sync's timeout plus the step's (--train.step_timeout_s, which the trainer passes), never unbounded."""
+    cfg = from_args(["--sync.method", "object_store", "--sync.timeout_s", "42"])
+    policy = Policy()
+    sync = make_weight_sync(cfg.sync, Engines(), policy, policy_busy_s=1000.0)
+    sync.publish(1)
+    assert policy.deadlines == [1042.0]
+    default = make_weight_sync(cfg.sync, Engines(), Policy())  # built without a step deadline: 300 s allowed
+    assert default.policy_deadline_s == 342.0
+
+
+def test_a_collective_group_is_rebuilt_by_the_next_sync_not_where_the_engine_came_back():
+    """An engine back from a restart during a generation (the producer's thread) is only noted; the next sync, on
+    the trainer's thread, rebuilds the group: there no training step holds up policy rank 0's part in it."""
+    engines = Engines()
+    sync = CollectiveSync(engines, Policy())
+    sync.engine_back(0, "restarted", engine_version=0, restarted=True, reload=False)
+    assert sync._rejoin == {0} and sync.rebuilds == 0
 
 
 def test_publish_and_make_current_from_two_threads_lose_no_version():

@@ -29,7 +29,9 @@ class RolloutConfig(Section):
     max_new_tokens: int = _f(128, "maximum response length in tokens")
     max_model_len: int = _f(1024, "prompt + response tokens the engine accepts")
     generate_timeout_s: float = _f(
-        3600.0, "an engine whose generate call runs longer is killed, restarted and given its prompts again (0 = off)"
+        3600.0,
+        "an engine whose generate call runs longer is killed, restarted and given its prompts again; raise it for "
+        "long responses on large models",
     )
     gpu_memory_utilization: float = _f(
         0.0,
@@ -77,7 +79,7 @@ class RolloutConfig(Section):
                     "different distributions; use 1",
                 ),
                 (self.num_engines >= 1, "rollout.num_engines", "must be >= 1"),
-                (self.generate_timeout_s >= 0, "rollout.generate_timeout_s", "must be >= 0 (0 = no deadline)"),
+                (self.generate_timeout_s > 0, "rollout.generate_timeout_s", f"{self.generate_timeout_s:g} must be > 0"),
                 (0 <= gmu <= 1, "rollout.gpu_memory_utilization", f"{gmu:g} must be in (0, 1], or 0 for auto"),
                 (self.max_num_seqs >= 0, "rollout.max_num_seqs", "must be >= 0 (0 = vLLM's default)"),
                 (
