@@ -70,7 +70,8 @@ def last_hidden_states(model, **inputs) -> torch.Tensor:
 @dataclass(frozen=True)
 class HeadPost:
     """What turns the head's output z into the logits the log-softmax sees: the family's scaling (Granite) and
-    soft-capping (Gemma 2 and 3), then the sampling temperature; in z's dtype, as the whole-head path does."""
+    soft-capping (Gemma 2 and 3) in z's dtype, as the model's own head applies them, then the sampling temperature
+    in the log-softmax's dtype, as the whole-head path (forward.py) and vLLM's sampler divide."""
 
     scaling: float = 1.0
     softcap: float | None = None
@@ -82,11 +83,12 @@ class HeadPost:
         return cls(float(scaling) if scaling else 1.0, getattr(config, "final_logit_softcapping", None) or None,
                    float(temperature))  # fmt: skip
 
-    def logits(self, z: torch.Tensor) -> torch.Tensor:
+    def logits(self, z: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
         if self.scaling != 1.0:
             z = z / self.scaling
         if self.softcap:
             z = torch.tanh(z / self.softcap) * self.softcap
+        z = z.to(wide)
         if self.temperature != 1.0:
             z = z / self.temperature
         return z
@@ -121,7 +123,7 @@ class _ChunkedHead(torch.autograd.Function):
         log_probs = torch.empty(n, dtype=wide, device=hidden.device)
         entropy = torch.empty(n, dtype=wide, device=hidden.device)
         for i in range(0, n, chunk):
-            logits = post.logits(F.linear(hidden[i : i + chunk], weight, bias)).to(wide)
+            logits = post.logits(F.linear(hidden[i : i + chunk], weight, bias), wide)
             logp = torch.log_softmax(logits, dim=-1)
             del logits
             log_probs[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None])[:, 0]
@@ -149,7 +151,7 @@ class _ChunkedHead(torch.autograd.Function):
             h, t = hidden[i : i + chunk], targets[i : i + chunk, None]
             z = F.linear(h, weight, bias)
             z_dtype, slope = z.dtype, post.slope(z, wide)
-            logp = torch.log_softmax(post.logits(z).to(wide), dim=-1)
+            logp = torch.log_softmax(post.logits(z, wide), dim=-1)
             del z
             p = logp.exp()
             # d lp_t / d l = onehot(t) - p and d H / d l = -p (log p + H), so with c = g_lp + g_ent (log p + H):

@@ -108,10 +108,7 @@ def forward_log_probs(
     logits = model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=max(T - start, 1)
     ).logits[:, -(T - start) :][:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    # fp32 logits take OpenRLHF's chunked logsumexp path; half-precision ones its row loop
-    wide = _at_least_fp32(logits)
+    wide = _at_temperature(logits, temperature)
     kept = log_probs_from_logits(wide, batch.input_ids[:, start + 1 :])
     log_probs = kept.new_zeros(batch.mask.shape)
     log_probs[:, start:] = kept
@@ -119,37 +116,43 @@ def forward_log_probs(
     if with_entropy:
         entropy = log_probs.new_zeros(batch.mask.shape)
         # with grad: on the same tensor the log-probs' graph keeps, so the entropy's backward keeps no copy of it
-        entropy[:, start:] = token_entropy_with_grad(wide) if entropy_grad else token_entropy(logits)
+        entropy[:, start:] = token_entropy_with_grad(wide) if entropy_grad else token_entropy(wide)
     return log_probs, entropy
 
 
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits in fp32 for the log-softmax; fp32 and fp64 as they are (fp64 tests compare exactly)."""
-    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+def _at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits the log-softmax sees: half precision widened to fp32 (fp32 and fp64 stay as they are: fp64 tests
+    compare exactly), then divided by the sampling temperature, in that order, as vLLM's sampler does; dividing in
+    bf16 first would round z / T to 8 bits and move a token's log-prob by up to ~0.1 nats at T = 0.7 (32k vocab).
+    fp32 logits also take OpenRLHF's chunked logsumexp path, half-precision ones its slower row loop."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        wide = logits.float()
+        # in place on the fresh copy: no second (tokens x vocabulary) fp32 tensor (the copy's backward keeps nothing)
+        return wide.div_(temperature) if temperature != 1.0 else wide
+    return logits / temperature if temperature != 1.0 else logits
 
 
 def _packed_log_probs(
     model, batch: SeqBatch, packed: PackedBatch, *, temperature: float, with_entropy: bool, entropy_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    start = int(packed.source_pos.min())  # logits only from the first position that predicts a response token
+    # logits only from the first position that predicts a response token (all of them when none is left unmasked)
+    start = int(packed.source_pos.min()) if len(packed.source_pos) else 0
     width = packed.input_ids.shape[1]
     logits = model(
         input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=width - start,
         prefix_layout=packed.rows,
     ).logits  # fmt: skip
     picked = logits[packed.source_row, packed.source_pos - start]  # (N, V): one row per response token, grid order
-    if temperature != 1.0:
-        picked = picked / temperature
     valid = batch.mask.bool()
     targets = batch.input_ids[:, 1:][valid]  # the same row-major order of the grid's valid cells
-    wide = _at_least_fp32(picked)
+    wide = _at_temperature(picked, temperature)
     kept = log_probs_from_logits(wide[None], targets[None])[0]
     log_probs = kept.new_zeros(batch.mask.shape)
     log_probs[valid] = kept
     entropy = None
     if with_entropy:
         entropy = log_probs.new_zeros(batch.mask.shape)  # the grid's dtype, as the plain path gives it
-        values = token_entropy_with_grad(wide) if entropy_grad else token_entropy(picked)
+        values = token_entropy_with_grad(wide) if entropy_grad else token_entropy(wide)
         entropy[valid] = values.to(entropy.dtype)
     return log_probs, entropy
 

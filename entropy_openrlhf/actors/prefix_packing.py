@@ -62,6 +62,12 @@ class PackedBatch:
             self.source_row.to(device), self.source_pos.to(device),
         )  # fmt: skip
 
+    def narrowed(self, mask: torch.Tensor, kept: torch.Tensor) -> PackedBatch:
+        """The same layout with sources only for the grid cells `kept` (B, L) keeps of those `mask` (B, L), the
+        grid's mask these sources were made for, marks: the forwards read one source per valid cell of the mask."""
+        keep = kept.bool()[mask.bool()].to(self.source_row.device)
+        return PackedBatch(self.input_ids, self.position_ids, self.rows, self.source_row[keep], self.source_pos[keep])
+
 
 def group_runs(prompt_ids: list[list[int]]) -> list[list[int]]:
     """Indices of consecutive rows with identical prompts, in order: [[0, 1, 2, 3], [4, 5], ...]."""

@@ -190,7 +190,10 @@ def prepare_step(
     if any(s.response_mask is not None for m in micro for s in m):
         masks = grid(lambda s: s.response_mask if s.response_mask is not None else [1] * len(s.response_ids))
         for b, keep in zip(batches, masks):
-            b.mask = b.mask * keep.to(b.mask.dtype)
+            narrowed = b.mask * keep.to(b.mask.dtype)
+            if b.packed is not None:  # the packed forwards read one source per valid cell: drop the masked ones
+                b.packed = b.packed.narrowed(b.mask, narrowed)
+            b.mask = narrowed
 
     has_ref = all(s.ref_log_probs is not None for s in samples)
     lc = cfg.loss

@@ -56,8 +56,9 @@ class OffPolicyConfig:
         for name in ("is_max", "reject_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"offpolicy.{name}: {getattr(self, name)} must be >= 1 (ratio 1 is on-policy)")
-        if self.reject_min > 1:
-            raise ValueError(f"offpolicy.reject_min: {self.reject_min} must be <= 1 (ratio 1 is on-policy)")
+        for name in ("is_min", "reject_min"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"offpolicy.{name}: {getattr(self, name)} must be <= 1 (ratio 1 is on-policy)")
         if self.bypass:
             for name in ("is_level", "reject"):
                 if getattr(self, name) != "none":

@@ -79,3 +79,36 @@ def test_the_gradient_is_that_of_logits_over_t(tiny):
     for n, p in model.named_parameters():
         torch.testing.assert_close(ours[n], p.grad, rtol=1e-6, atol=1e-9)
     assert any(float(g.abs().max()) > 0 for g in ours.values())
+
+
+def test_in_bf16_the_logits_are_widened_before_the_division_as_vllm_samples(tiny):
+    """vLLM's sampler turns the logits to fp32, then divides by T. Dividing bf16 logits first rounds z / T to 8 bits
+    of mantissa: here that moves the log-probs by about 1e-4, ten times the tolerance; widened first, they agree
+    with the fp64 reference to fp32 rounding. (The plain layout: the packed one's bf16 attention rounds differently
+    from the reference's, and shares the widening, `_at_temperature`.)"""
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).eval()
+    batch = make_seq_batch(PROMPTS, RESPONSES, 0)
+    valid = batch.mask.bool()
+    with torch.no_grad():
+        lp, ent = forward_log_probs(model, batch, temperature=T, with_entropy=True)
+    want_lp, want_ent = independent(plain, PROMPTS, RESPONSES, T)  # the bf16 logits in fp64, then / T
+    torch.testing.assert_close(lp[valid].double(), want_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[valid].double(), want_ent, rtol=0, atol=1e-5)
+    # the same logits divided in bf16 first: what the tolerance above tells apart
+    rounded = []
+    with torch.no_grad():
+        for p, r in zip(PROMPTS, RESPONSES):
+            logits = plain(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]
+            logp = torch.log_softmax((logits / T).double(), dim=-1)
+            rounded += logp.gather(-1, torch.tensor(r)[:, None])[:, 0].tolist()
+    assert float((torch.tensor(rounded, dtype=torch.float64) - want_lp).abs().max()) > 1e-4
+
+
+def test_the_chunked_head_widens_before_it_divides_too():
+    from entropy_openrlhf.actors.chunked_head import HeadPost
+
+    z = torch.randn(4, 1000, dtype=torch.bfloat16) * 8
+    got = HeadPost(temperature=T).logits(z, torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, z.float() / T)
+    assert not torch.equal(got, (z / T).float())  # the other order rounds differently

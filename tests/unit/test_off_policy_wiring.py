@@ -86,6 +86,7 @@ def test_a_preset_fills_the_fields_and_non_default_fields_override_it():
     [
         (["--offpolicy.is_max", "0.5"], "--offpolicy.is_max: 0.5 must be >= 1"),
         (["--offpolicy.reject_min", "1.5"], "--offpolicy.reject_min: 1.5 must be <= 1"),
+        (["--offpolicy.is_min", "1.5", "--offpolicy.is_level", "token"], "--offpolicy.is_min: 1.5 must be <= 1"),
         (["--offpolicy.is_min", "3", "--offpolicy.is_level", "token"], "--offpolicy.is_min: 3.0 is above"),
         (["--offpolicy.is_level", "tok"], "--offpolicy.is_level: 'tok' is not one of none, token, sequence"),
         (["--offpolicy.preset", "icepop"], "--offpolicy.preset: 'icepop' is not one of"),

@@ -195,3 +195,42 @@ def test_a_sliding_window_model_is_refused_through_its_forward(tmp_path):
     use_shared_prefix(model, "on")
     with pytest.raises(NotImplementedError, match="sliding window of 4 tokens"):
         forward_log_probs(model, make_seq_batch(PROMPTS, RESPONSES, 0, shared_prefix="on", model_config=config))
+
+
+@pytest.mark.parametrize("head_chunk", [0, 2])
+def test_response_masks_and_stand_ins_reach_the_packed_forward(tiny, head_chunk):
+    """A step's response masks (--loss.mask_truncated, a rollout's masked tool tokens) and a token budget's stand-in
+    micro-batch narrow the loss mask after packing: the packed forwards must read only the cells left, and give the
+    plain layout's values there (the default --train.shared_prefix auto packs every micro-batch)."""
+    from types import SimpleNamespace
+
+    from entropy_openrlhf.actors.chunked_head import use_chunked_head
+    from entropy_openrlhf.actors.step_data import TrainSample
+    from entropy_openrlhf.actors.train_phases import RankSetup, _stand_in, prepare_step
+    from entropy_openrlhf.config import from_args
+
+    masks = [[1, 0, 1], None, [0, 0, 0, 0, 0], [0, 1], None, [1], [1, 1, 0, 0, 1, 1]]
+    samples = [TrainSample(p, r, 1.0, [-0.5] * len(r), response_mask=m) for p, r, m in zip(PROMPTS, RESPONSES, masks)]
+    grids = {}
+    for mode in ("off", "on"):
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64)
+        use_chunked_head(model, head_chunk)
+        use_shared_prefix(model, mode)
+        engine = SimpleNamespace(device=torch.device("cpu"), module=model)
+        flags = ["--rollout.batch_size", "1", "--rollout.n_samples_per_prompt", str(len(samples)),
+                 "--train.mini_batches", "1", "--actor.micro_batch_size", str(len(samples)),
+                 "--train.shared_prefix", mode]  # fmt: skip
+        setup = RankSetup(from_args(flags), 0, 1, pad_id=0)
+        (batch,) = prepare_step(setup, engine, samples, step=0, strength_scale=1.0, entropy_coef=None).batches
+        assert (batch.packed is not None and len(batch.packed.rows) == 3) == (mode == "on")
+        lp, ent = forward_log_probs(model, batch, with_entropy=True)
+        grids[mode] = (lp * batch.mask, ent * batch.mask, batch.mask)
+        # a rank with no sequence in a micro-batch runs a stand-in, all masked: its forward must still run
+        (empty,) = prepare_step(setup, engine, [_stand_in(0)], step=0, strength_scale=1.0, entropy_coef=None).batches
+        assert float(empty.mask.sum()) == 0
+        stand_in_lp, _ = forward_log_probs(model, empty, with_entropy=True)
+        assert float((stand_in_lp.detach() * empty.mask).abs().sum()) == 0
+    (plain_lp, plain_ent, plain_mask), (lp, ent, mask) = grids["off"], grids["on"]
+    assert torch.equal(mask, plain_mask) and int(mask.sum()) == 14  # 23 response tokens, 9 masked
+    assert torch.allclose(lp, plain_lp, atol=1e-12) and torch.allclose(ent, plain_ent, atol=1e-12)
+    assert float(lp.abs().sum()) > 0
