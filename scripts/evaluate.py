@@ -25,11 +25,18 @@ from rewards import VerifierLoadError
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)
+    try:
+        cfg = from_args(argv, {"eval.max_samples": 0}, __doc__)  # --help and flag errors exit here
+    except ValueError as e:  # an unknown --preset
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # after the flags, as in pipeline/main.py (its docstring): --help answers without the data loaders (datasets)
     from entropy_openrlhf.data.dataset import DatasetError
 
     try:
+        out = Path(cfg.eval.output_json).parent if cfg.eval.output_json else None
+        if out is not None and not out.is_dir():  # found now, not after the whole evaluation
+            raise ConfigError(f"--eval.output_json {cfg.eval.output_json}: no folder {out} to write it in")
         model_path, _, items = prepare(cfg, need_train=False)
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -177,10 +177,6 @@ def _get(row: dict, key: str) -> Any:
     return value
 
 
-def _type_name(value: Any) -> str:
-    return "a chat message list" if isinstance(value, list) else type(value).__name__
-
-
 def _parse_row(
     path: str, where: str, row: Any, input_key: str, label_key: str
 ) -> tuple[str | list[dict], str, str, dict[str, Any]]:
@@ -207,7 +203,7 @@ def _parse_row(
     if label is None:
         raise fail(label_key, "missing (or null)")
     if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-        raise fail(label_key, f"must be a string or a number, not {_type_name(label)}")
+        raise fail(label_key, f"must be a string or a number (one label per row), not {type(label).__name__}")
     label = str(label)
     if not label.strip():
         raise fail(label_key, "empty label")

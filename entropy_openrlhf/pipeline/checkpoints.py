@@ -84,10 +84,8 @@ class Checkpointing:
         prompt-stream position. Returns the step to continue from (0 when there is none). Every other random draw
         (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
         the resumed steps repeat what the lost ones did."""
-        root = Path(self.cfg.train.output_dir) / "checkpoints"
         found = resume_point(self.cfg, len(self.train_items))
-        if found is None:
-            print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {root}: starting at step 0")
+        if found is None:  # the driver said so before the actors started
             return 0
         ckpt, state = found
         deadline = {"timeout_s": self.cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
@@ -112,7 +110,13 @@ def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
     ckpt = latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
     if ckpt is None:
         return None
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--train.resume: {ckpt / 'trainer_state.json'} does not read ({e}); move that checkpoint aside to "
+            "resume from the one before"
+        ) from None
     for key, flag, now in (
         ("seed", "--train.seed", cfg.train.seed),
         ("train_prompts", "--data.train / --data.max_samples (prompt count)", train_prompts),

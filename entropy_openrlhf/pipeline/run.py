@@ -66,8 +66,17 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
         train, builtin_test = write_builtin_task(
             Path(cfg.train.output_dir) / "data", seed=cfg.train.seed, levels=cfg.data.levels()
         )
+        if tests and (cfg.data.input_key, cfg.data.label_key) != ("prompt", "label"):
+            raise ConfigError(
+                f"--data.test given without --data.train: training would use the built-in task, whose rows have the "
+                f"fields prompt and label, while --data.input_key {cfg.data.input_key} / --data.label_key "
+                f"{cfg.data.label_key} name the test set's; give --data.train too (the keys apply to both)"
+            )
         tests = tests or [str(builtin_test)]
         cfg.data.input_key, cfg.data.label_key = "prompt", "label"
+    if need_train and cfg.eval.every > 0 and not tests:  # a preset's setting, say: said, not refused
+        print(f"[entropy-openrlhf] --eval.every {cfg.eval.every}: no --data.test is given, so nothing is evaluated",
+              flush=True)  # fmt: skip
     for path in [train, *tests] if need_train else tests:
         validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
     return str(train), tests
@@ -79,9 +88,16 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
     `shared_model`: write a built-in model where every node of a multi-node cluster can read it."""
     validate(cfg)
     load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
+    try:  # the built-in model and task, the W&B run and the checkpoints go there
+        Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--train.output_dir {cfg.train.output_dir}: cannot make the folder: {e.strerror}") from None
     model_path = resolve_model(cfg, shared=shared_model)
     train_path, test_paths = resolve_data(cfg, need_train)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:  # what transformers raises for a folder without a usable tokenizer
+        raise ConfigError(f"--pretrain {model_path}: its tokenizer does not load: {str(e).splitlines()[0]}") from None
     kw = dict(
         tokenizer=tokenizer,
         input_key=cfg.data.input_key,
@@ -93,6 +109,9 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
     if need_train:
         train_items = load_prompts(train_path, max_samples=cfg.data.max_samples or None, **kw)
         check_prompt_lengths(train_path, train_items, tokenizer, cfg)
+        if cfg.train.resume and resume_point(cfg, len(train_items)) is None:  # one it cannot continue fails here
+            print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {cfg.train.output_dir}/checkpoints: "
+                  "this run starts at step 0", flush=True)  # fmt: skip
     test_items = []
     for path in test_paths:
         items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)
@@ -213,8 +232,6 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         if note:
             print(f"[entropy-openrlhf] {note}", flush=True)
         check_nodes(cfg, model_path)
-        if cfg.train.resume:
-            resume_point(cfg, len(train_items))  # a checkpoint this run cannot continue fails before any actor
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         if started:

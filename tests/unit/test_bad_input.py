@@ -61,6 +61,12 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     empty = tmp / "empty.jsonl"
     empty.write_text("")
     (tmp / "no_model").mkdir()
+    no_tokenizer = tmp / "no_tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
+    corrupt = tmp / "out" / "checkpoints" / "step2"  # the run's --train.output_dir (below) holds a torn checkpoint
+    corrupt.mkdir(parents=True)
+    (corrupt / "trainer_state.json").write_text('{"step": 2, "seed"')
     broken = tmp / "broken_verifier.py"
     broken.write_text("import a_module_that_is_not_there\n\ndef verify(response, label, **kw):\n    return 1.0\n")
     data = lambda name, rows: ["--data.train", jsonl(tmp / name, rows)]  # noqa: E731
@@ -94,16 +100,44 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
             ["--data.test", f"{jsonl(tmp / 'test_a.jsonl', [good])},{jsonl(tmp / 'long.jsonl', [good, long])}"],
             ["long.jsonl: row 1", "--rollout.max_model_len 1024"],
         ),
+        (["--actor.adam_betas", "0.9"], ["--actor.adam_betas", "two values in [0, 1)"]),
+        (["--actor.weight_decay", "-1"], ["--actor.weight_decay", "-1.0 must be >= 0"]),
+        (["--reward.timeout_s", "inf"], ["--reward.timeout_s", "inf must be > 0 and finite"]),
+        (["--rollout.temperature", "inf"], ["--rollout.temperature", "inf must be > 0 and finite"]),
+        (["--data.max_samples", "-1"], ["--data.max_samples", "-1 must be >= 0"]),
+        (["--eval.max_samples", "-5"], ["--eval.max_samples", "-5 must be >= 0"]),
+        (["--train.output_dir", jsonl(tmp / "a_file", [good])], ["--train.output_dir", "a_file", "cannot make"]),
+        (["--pretrain", str(no_tokenizer)], ["--pretrain", "no_tokenizer", "its tokenizer does not load"]),
+        (
+            ["--data.test", jsonl(tmp / "verl_test.jsonl", [{"q": "hi", "answer": "4"}]), "--data.input_key", "q"],
+            ["--data.test given without --data.train", "--data.input_key q"],
+        ),
+        (
+            data("list_label.jsonl", [{"prompt": "hi", "label": ["4", "four"]}]),
+            ["'label'", "one label per row", "list"],
+        ),
+        (["--train.resume", "true"], ["--train.resume", "step2", "trainer_state.json does not read"]),
+        (["--algo.max_gen_batches", "0"], ["--algo.max_gen_batches", "0 must be >= 1"]),
+        (["--ray.num_cpus", "-1"], ["--ray.num_cpus", "-1 must be >= 1"]),
+        (["--logger.sample_table_every", "-1"], ["--logger.sample_table_every", "-1 must be >= 0"]),
     ]
 
 
 CASE_IDS = [
     "missing-dataset", "empty-dataset", "row-without-prompt", "row-without-label", "wrong-type", "non-utf8",
     "unknown-flag", "ratio-zero", "ratio-above-one", "negative-lr", "lr-not-a-number", "negative-staleness",
-    "negative-generate-deadline", "unknown-preset", "folder-without-model", "missing-model-folder",
+    "negative-generate-deadline", "zero-generate-deadline", "unknown-preset", "folder-without-model",
+    "missing-model-folder",
     "verifier-import-error", "verifier-missing", "prompt-longer-than-context", "second-test-set-missing",
-    "test-prompt-longer-than-context",
+    "test-prompt-longer-than-context", "one-adam-beta", "negative-weight-decay", "infinite-verifier-deadline",
+    "infinite-temperature", "negative-max-samples", "negative-eval-max-samples", "output-dir-is-a-file",
+    "model-without-tokenizer", "test-keys-without-train", "list-label", "torn-checkpoint", "no-generation-round",
+    "negative-ray-cpus", "negative-table-interval",
 ]  # fmt: skip
+
+
+def test_every_case_has_its_name(tmp_path):
+    assert len(cases(tmp_path)) == len(CASE_IDS)
 
 
 @pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
@@ -126,6 +160,20 @@ def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, ca
     code = evaluate_main(["--pretrain", model, "--data.test", str(missing), "--train.output_dir", str(tmp_path)])
     assert code == 2
     assert capsys.readouterr().err.strip() == f"error: {missing}: no such file or folder"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--preset", "smok"], "error: --preset 'smok': unknown; choose one of"),
+        (["--eval.output_json", "/no/such/m.json"], "error: --eval.output_json /no/such/m.json: no folder /no/such"),
+    ],
+)
+def test_evaluate_script_refuses_a_bad_preset_or_output_before_ray(flags, message, model, tmp_path, capsys, no_ray):
+    evaluate_main = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
+    code = evaluate_main(["--pretrain", model, "--train.output_dir", str(tmp_path), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(message) and "\n" not in err, err
 
 
 def test_the_command_line_exits_2_and_starts_no_ray(tmp_path):

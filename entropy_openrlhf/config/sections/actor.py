@@ -67,6 +67,12 @@ class ActorConfig(Section):
                 ),
                 (self.grad_clip >= 0, "actor.grad_clip", "must be >= 0"),
                 (self.adam_eps > 0, "actor.adam_eps", f"{self.adam_eps} must be > 0"),
+                (
+                    len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+                    "actor.adam_betas",
+                    f"{','.join(map(str, self.adam_betas))}: give two values in [0, 1), e.g. 0.9,0.999",
+                ),
+                (self.weight_decay >= 0, "actor.weight_decay", f"{self.weight_decay} must be >= 0"),
                 (self.zero_stage in (0, 1, 2, 3), "actor.zero_stage", "must be 0, 1, 2 or 3"),
                 (self.num_workers >= 1, "actor.num_workers", "must be >= 1"),
                 (self.micro_batch_size >= 1, "actor.micro_batch_size", "must be >= 1"),

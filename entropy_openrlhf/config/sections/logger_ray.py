@@ -16,6 +16,11 @@ class LoggerConfig(Section):
     run_name: str = _f("", "W&B run name (default: pipeline and time)")
     sample_table_every: int = _f(5, "log a table of sample responses every N steps (0 = never)")
 
+    def checks(self) -> list[str]:
+        return _failed(
+            (self.sample_table_every >= 0, "logger.sample_table_every", f"{self.sample_table_every} must be >= 0")
+        )
+
 
 @dataclass
 class RayConfig(Section):
@@ -29,6 +34,7 @@ class RayConfig(Section):
 
     def checks(self) -> list[str]:
         return _failed(
+            (self.num_cpus >= 1, "ray.num_cpus", f"{self.num_cpus} must be >= 1"),
             (self.placement_timeout_s > 0, "ray.placement_timeout_s", "must be > 0"),
             (self.start_timeout_s > 0, "ray.start_timeout_s", "must be > 0"),
         )

@@ -100,4 +100,7 @@ class AlgoConfig(Section):
     max_gen_batches: int = _f(3, "dynamic sampling: generation rounds per step before training on what was kept")
 
     def checks(self) -> list[str]:
-        return _failed((self.kl_coef >= 0, "algo.kl_coef", "must be >= 0"))
+        return _failed(
+            (self.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
+            (self.max_gen_batches >= 1, "algo.max_gen_batches", f"{self.max_gen_batches} must be >= 1"),
+        )

@@ -42,7 +42,10 @@ class DataConfig(Section):
     def checks(self) -> list[str]:
         levels = self.builtin_levels.split(",")
         ok = all(s.strip().isdigit() and int(s) in LEVELS for s in levels) and len(set(levels)) == len(levels)
-        return _failed((ok, "data.builtin_levels", f"{self.builtin_levels!r}: give distinct levels from {LEVELS}"))
+        return _failed(
+            (ok, "data.builtin_levels", f"{self.builtin_levels!r}: give distinct levels from {LEVELS}"),
+            (self.max_samples >= 0, "data.max_samples", f"{self.max_samples} must be >= 0 (0 = all)"),
+        )
 
     def levels(self) -> tuple[int, ...]:
         """The built-in task's levels as integers (checks() has validated them)."""

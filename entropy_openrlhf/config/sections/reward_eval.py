@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
@@ -30,7 +31,7 @@ class RewardConfig(Section):
             _ray_amount_errors(self, "reward", "num_cpus_per_worker")
             + _failed(
                 (self.num_workers >= 1, "reward.num_workers", "must be >= 1"),
-                (self.timeout_s > 0, "reward.timeout_s", "must be > 0"),
+                (0 < self.timeout_s < math.inf, "reward.timeout_s", f"{self.timeout_s:g} must be > 0 and finite"),
                 (self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0 (0 = off)"),
                 (self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0"),
             )
@@ -58,6 +59,8 @@ class EvalConfig(Section):
     def checks(self) -> list[str]:
         return _failed(
             (self.n_samples >= 1, "eval.n_samples", f"{self.n_samples} must be >= 1"),
+            (self.max_samples >= 0, "eval.max_samples", f"{self.max_samples} must be >= 0 (0 = all)"),
+            (self.every >= 0, "eval.every", f"{self.every} must be >= 0 (0 = off)"),
             (self.temperature > 0, "eval.temperature", "must be > 0 (greedy accuracy is reported anyway)"),
             (self.bootstrap >= 100, "eval.bootstrap", f"{self.bootstrap}: at least 100 resamples for a 95% interval"),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
@@ -67,7 +68,11 @@ class RolloutConfig(Section):
                 (self.batch_size >= 1, "rollout.batch_size", "must be >= 1"),
                 (self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1"),
                 (self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1"),
-                (self.temperature > 0, "rollout.temperature", "must be > 0"),
+                (
+                    0 < self.temperature < math.inf,
+                    "rollout.temperature",
+                    f"{self.temperature:g} must be > 0 and finite",
+                ),
                 (0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]"),
                 # vLLM's log-probs would be those of the renormalised nucleus, the trainer's of the whole vocabulary
                 # at T: the importance ratio and PPO's ratio would mix two distributions
