@@ -18,8 +18,10 @@ Printed:
 The figure (`--figure`) is descriptive, not part of the fixed analysis: pass@k against k for the base model and for
 each arm's final and midway weights (mean over the paired seeds, 95% t-interval bars).
 
-With fewer pairs than the design's seven the report says so on its first line: the design reports nothing until all
-seven pairs are in.
+The evaluations are chosen by the weights they evaluated (`eval/policy_version` 50 and 25), and a run without its
+final evaluation, or without one entropy row at each of its 50 steps, is an error. Only seeds 1-7 are analysed. With
+fewer than seven pairs it prints only under `--interim`, and then says so on its first line: the design reports
+nothing until all seven pairs are in.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from study.runs import ENTROPY_KEY, Run
 from study.stats import Estimate, holm, mean_interval, sign_test_p, t_test_p
 
 ARMS = ("explore_grpo", "explore_kl_cov")  # the baseline first: differences are the second minus the first
-PAIRS_PLANNED = 7
+SEEDS = tuple(range(1, 8))  # the design's seven pairs
+PAIRS_PLANNED = len(SEEDS)
+STEPS = 50  # each run's training steps: its final weights are policy version 50
+MIDWAY = 25  # the policy version evaluated midway
 PRIMARY_K = 32
 SECONDARY_KS = (1, 64)
 LAST = 10  # entropy is averaged over the last ten steps
@@ -63,24 +68,35 @@ def test(name: str, differences: list[float], bounds: tuple[float, float]) -> Te
     return Test(name, d, mean_interval(d, bounds), t_test_p(d), sign_test_p(d))
 
 
-def evaluations(run: Run, k: int) -> list[tuple[float, float]]:
-    """[(step, eval/pass@k)] of every evaluation of the run, in step order (empty when it logged none)."""
-    s = run.series(f"eval/pass@{k}")
-    return [] if s is None else [(float(a), float(b)) for a, b in zip(*s)]
+def evaluations(run: Run, k: int) -> dict[int, float]:
+    """{policy version evaluated: eval/pass@k} of every evaluation of the run (empty when it logged none). Chosen by
+    the weights' version, not the row's position: a run whose final weights were not evaluated must not have its
+    step-25 evaluation taken for them."""
+    try:
+        versions, values = run.pairs("eval/policy_version", f"eval/pass@{k}")
+    except ValueError:
+        return {}
+    return {int(v): float(x) for v, x in zip(versions, values)}
 
 
 def final_and_midway(run: Run, k: int) -> tuple[float, float | None]:
-    """pass@k of the run's final weights (its last evaluation) and of the evaluation before it (step 25)."""
+    """pass@k of the run's final weights (policy version 50) and of its midway ones (25; None when not evaluated)."""
     found = evaluations(run, k)
-    if not found:
-        raise ValueError(f"{run.source}: no eval/pass@{k} logged (was the run evaluated on the held-out set?)")
-    return found[-1][1], (found[-2][1] if len(found) > 1 else None)
+    if STEPS not in found:
+        raise ValueError(
+            f"{run.source}: no eval/pass@{k} of the final weights (eval/policy_version {STEPS}); evaluated: "
+            f"{sorted(found) or 'none'}"
+        )
+    return found[STEPS], found.get(MIDWAY)
 
 
 def final_entropy(run: Run) -> float:
+    """entropy/seq_mean over the last ten of the run's 50 training steps."""
     s = run.series(ENTROPY_KEY)
     if s is None:
         raise ValueError(f"{run.source}: no {ENTROPY_KEY} logged")
+    if sorted(int(x) for x in s[0]) != list(range(STEPS)):  # each step once: a resumed run repeats no row
+        raise ValueError(f"{run.source}: {ENTROPY_KEY} is not logged once at each step 0..{STEPS - 1}")
     return float(np.mean(s[1][-LAST:]))
 
 
@@ -153,15 +169,15 @@ def analyse(pairs: dict[int, dict[str, Run]], base: dict[int, float]) -> Analysi
 
 def pass_at_k_by_arm(pairs: dict[int, dict[str, Run]], ks: list[int]) -> dict[str, dict[str, Curve]]:
     """{arm: {"final" / "step 25": [(k, mean and 95% interval over the paired seeds)]}} for every k in `ks` that
-    each run logged; a midway curve is left out where some run has no evaluation before its final one."""
+    each run logged for those weights; a midway curve is left out where some run has no step-25 evaluation."""
     curves: dict[str, dict[str, Curve]] = {}
     for arm in ARMS:
-        for when, index in (("final", -1), ("step 25", -2)):
+        for when, version in (("final", STEPS), (f"step {MIDWAY}", MIDWAY)):
             points = []
             for k in ks:
                 found = [evaluations(arms[arm], k) for arms in pairs.values()]
-                if all(len(f) >= -index for f in found):
-                    points.append((k, mean_interval([f[index][1] for f in found], (0.0, 1.0))))
+                if all(version in f for f in found):
+                    points.append((k, mean_interval([f[version] for f in found], (0.0, 1.0))))
             if points:
                 curves.setdefault(arm, {})[when] = points
     return curves
@@ -212,12 +228,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="study/runs", help="the folder holding explore_<arm>_seed<N>/metrics.jsonl")
     p.add_argument("--base", default="", help="the base model's metrics.json (default: <runs>/explore_base/...)")
     p.add_argument("--figure", default="", help="also write pass@k against k to this PNG (descriptive)")
+    p.add_argument(
+        "--interim", action="store_true", help="print the analysis with fewer than the seven pairs, marked preliminary"
+    )
     args = p.parse_args(argv)
     runs = Path(args.runs)
     base_path = Path(args.base) if args.base else runs / "explore_base" / "metrics.json"
     try:
         base = read_base(base_path)
         pairs = find_pairs(runs)
+        others = sorted(set(pairs) - set(SEEDS))
+        if others:
+            raise ValueError(f"{runs}: seed pair(s) {others} are not among the design's seeds {list(SEEDS)}")
+        if len(pairs) < PAIRS_PLANNED and not args.interim:
+            raise ValueError(
+                f"{runs}: {len(pairs)} of the {PAIRS_PLANNED} pairs are in; the design reports nothing until all are "
+                "(--interim prints a preliminary analysis)"
+            )
         if len(pairs) < 2:
             raise ValueError(f"{runs}: {len(pairs)} complete seed pair(s) of {' and '.join(ARMS)}; the tests need two")
         print("\n".join(report(analyse(pairs, base), base)))

@@ -14,12 +14,15 @@ from study import explore
 KS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def write_run(folder: Path, entropy: list[float], final: dict[int, float], midway: dict[int, float]) -> None:
-    """50 training steps, evaluated at step 25 and on the final weights (step 50), as the experiment's runs."""
+def write_run(folder: Path, entropy: list[float], final: dict[int, float], midway: dict[int, float] | None) -> None:
+    """50 training steps (rows 0-49) as the trainer logs them: the evaluation of policy version 25 in the row of step
+    25, that of the final weights (version 50) in the last row, step 49."""
     folder.mkdir(parents=True)
     rows = [{"step": s, "entropy/seq_mean": h, "reward/acc": 0.1} for s, h in enumerate(entropy)]
-    rows[25].update({f"eval/pass@{k}": v for k, v in midway.items()})
-    rows.append({"step": 50, **{f"eval/pass@{k}": v for k, v in final.items()}})
+    if midway is not None:
+        rows[25].update({"eval/policy_version": 25, **{f"eval/pass@{k}": v for k, v in midway.items()}})
+    if final is not None:
+        rows[49].update({"eval/policy_version": 50, **{f"eval/pass@{k}": v for k, v in final.items()}})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -101,7 +104,9 @@ def test_the_midway_evaluation_is_described_from_step_25(experiment):
 def test_the_report_marks_fewer_pairs_than_planned_as_preliminary(experiment, capsys):
     for seed in (6, 7):
         (experiment["dir"] / f"explore_kl_cov_seed{seed}" / "metrics.jsonl").unlink()
-    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2  # nothing until all seven are in, unless asked
+    assert "5 of the 7 pairs are in; the design reports nothing until all are" in capsys.readouterr().err
+    assert explore.main(["--runs", str(experiment["dir"]), "--interim"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("PRELIMINARY: 5 of the 7 planned pairs (seeds [1, 2, 3, 4, 5])")
     assert "Holm p" in out and "sign p" in out
@@ -135,13 +140,41 @@ def test_the_figure_draws_each_arms_final_and_midway_pass_at_k_over_the_pairs(ex
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_run_evaluated_once_has_no_midway_curve(experiment):
-    folder = experiment["dir"] / "explore_grpo_seed3"
+def rewrite(folder: Path, keep_final: bool = True, keep_midway: bool = True) -> None:
+    """A run of the experiment with one of its two evaluations taken out."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    for row in rows[:-1]:  # keep the final evaluation only
-        for k in KS:
-            row.pop(f"eval/pass@{k}", None)
+    for row in rows:
+        if (row.get("eval/policy_version") == 50 and not keep_final) or (
+            row.get("eval/policy_version") == 25 and not keep_midway
+        ):
+            for key in [key for key in row if key.startswith("eval/")]:
+                del row[key]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_run_whose_final_weights_were_not_evaluated_is_an_error_not_its_midway_value(experiment, capsys):
+    rewrite(experiment["dir"] / "explore_kl_cov_seed4", keep_final=False)  # its last evaluation is the step-25 one
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2
+    err = capsys.readouterr().err
+    assert "explore_kl_cov_seed4: no eval/pass@32 of the final weights (eval/policy_version 50); evaluated: [25]" in err
+
+
+def test_a_run_with_a_step_logged_twice_or_missing_is_an_error(experiment, capsys):
+    path = experiment["dir"] / "explore_grpo_seed2" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:30] + lines[29:]) + "\n")  # step 29 twice, as a careless resume would log it
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2
+    assert "explore_grpo_seed2: entropy/seq_mean is not logged once at each step 0..49" in capsys.readouterr().err
+
+
+def test_only_the_design_s_seeds_are_analysed(experiment, capsys):
+    write_run(experiment["dir"] / "explore_kl_cov_seed8", [1.0] * 50, curve(0.5), curve(0.5))  # seed 8 now paired
+    assert explore.main(["--runs", str(experiment["dir"])]) == 2
+    assert "seed pair(s) [8] are not among the design's seeds [1, 2, 3, 4, 5, 6, 7]" in capsys.readouterr().err
+
+
+def test_a_run_evaluated_once_has_no_midway_curve(experiment):
+    rewrite(experiment["dir"] / "explore_grpo_seed3", keep_midway=False)
     curves = explore.pass_at_k_by_arm(explore.find_pairs(experiment["dir"]), list(KS))
     assert set(curves["explore_grpo"]) == {"final"}
     assert set(curves["explore_kl_cov"]) == {"final", "step 25"}
