@@ -58,7 +58,7 @@ class PolicyEngine:
 def total_optimizer_steps(cfg: Config) -> int:
     """The optimizer steps of the whole run, the length of the learning-rate schedule: `train.mini_batches` per pass,
     `train.ppo_epochs` passes per RL step, `train.num_steps` RL steps."""
-    return cfg.train.num_steps * cfg.train.optimizer_steps_per_step
+    return cfg.train.total_optimizer_steps
 
 
 def build_lr_scheduler(

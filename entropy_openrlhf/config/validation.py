@@ -67,7 +67,7 @@ def validate(cfg: Config) -> list[str]:
     )
     # the schedule's length (actors/policy_engine.py, total_optimizer_steps): a warmup that long never reaches
     # --actor.lr, and past their end transformers' cosine schedules rise again
-    total_steps = cfg.train.num_steps * cfg.train.optimizer_steps_per_step
+    total_steps = cfg.train.total_optimizer_steps
     need(
         a.lr_warmup_steps < total_steps,
         "actor.lr_warmup_steps",

@@ -48,6 +48,8 @@ class Checkpointing:
             "seed": self.cfg.train.seed,
             "train_prompts": len(self.train_items),
             "optimizer_steps_per_step": self.cfg.train.optimizer_steps_per_step,
+            "shuffle": self.cfg.data.shuffle,
+            "lr_schedule": schedule_settings(self.cfg),
             "entropy_ctl": self.entropy_ctl.state_dict(),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -120,6 +122,7 @@ def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
     for key, flag, now in (
         ("seed", "--train.seed", cfg.train.seed),
         ("train_prompts", "--data.train / --data.max_samples (prompt count)", train_prompts),
+        ("shuffle", "--data.shuffle", cfg.data.shuffle),
     ):
         if key in state and state[key] != now:
             raise ConfigError(
@@ -137,7 +140,29 @@ def resume_point(cfg: Config, train_prompts: int) -> tuple[Path, dict] | None:
             f"(--actor.lr_scheduler {cfg.actor.lr_scheduler}, --actor.lr_warmup_steps {cfg.actor.lr_warmup_steps}) "
             "counts optimizer steps, so its position would not match"
         )
+    # DeepSpeed restores the scheduler's step count but not its shape: the same count on another schedule (a longer
+    # run, another warm-up or floor) lands elsewhere on it, and the rate jumps
+    saved = state.get("lr_schedule")  # absent in checkpoints written before it was saved
+    if shaped and saved is not None:
+        changed = [f"{name} {saved.get(name)} -> {now}" for name, now in schedule_settings(cfg).items()
+                   if saved.get(name) != now]  # fmt: skip
+        if changed:
+            raise ConfigError(
+                f"--train.resume: {ckpt} was written on another learning-rate schedule ({'; '.join(changed)}); the "
+                "restored step count would land elsewhere on this one and the rate would jump. Resume with the "
+                "checkpoint's settings, or use a constant rate"
+            )
     return ckpt, state
+
+
+def schedule_settings(cfg: Config) -> dict[str, str | int | float]:
+    """What fixes the learning rate at each optimizer step, by the flags that set it (saved with a checkpoint)."""
+    return {
+        "--actor.lr_scheduler": cfg.actor.lr_scheduler,
+        "--actor.lr_warmup_steps": cfg.actor.lr_warmup_steps,
+        "--actor.min_lr_ratio": cfg.actor.min_lr_ratio,
+        "optimizer steps in the run (--train.num_steps x mini_batches x ppo_epochs)": cfg.train.total_optimizer_steps,
+    }
 
 
 def latest_checkpoint(root: Path) -> Path | None:

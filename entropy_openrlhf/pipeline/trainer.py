@@ -87,7 +87,9 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.latest_version = 0  # newest weights the trainer has published
         self.starvation_said = False  # the note that the objective's selection barely acts (starvation_note)
         self.stop = threading.Event()
-        self.eval_results: list[tuple[int, dict[str, float]]] = []
+        self.eval_results: list[tuple[int, dict[str, float]]] = []  # (version, metrics), not yet logged
+        self.evaluated: set[int] = set()  # versions evaluated in this run, whatever was logged since
+        self._eval_lock = threading.Lock()  # the producer appends to eval_results, the trainer thread takes them
         # --entropy.target: moves the objective's knob and the entropy bonus from each batch's entropy (when off:
         # scale 1, the bonus at --loss.entropy_coef)
         self.rollout_fn = get_rollout(cfg.rollout.function)  # --rollout.function: how prompts become samples
@@ -208,19 +210,28 @@ class Trainer(Checkpointing, NodeLossHandling):
             return
         if final:
             self.sync.make_current()  # the final weights may still be pending (object-store sync)
-        version = self.sync.engine_version
-        if final and version != self.latest_version:
-            return
-        if not final and not eval_due(version, cfg.eval.every, cfg.eval.initial):
-            return
-        if any(v == version for v, _ in self.eval_results):
-            return
-        t0 = time.time()
+        # The version is read under the lock a sync holds while it changes the engines' weights (a broadcast from the
+        # trainer thread may be under way): the weights evaluated are the version logged.
         with self.sync.engine_lock:
-            # prepare() already cut each test set to eval.max_samples
-            result = evaluate(self.rollout, self.reward, self.test_items, cfg)
+            version = self.sync.engine_version
+            if final and version != self.latest_version:
+                return
+            if not final and not eval_due(version, cfg.eval.every, cfg.eval.initial):
+                return
+            if version in self.evaluated:  # two batches may be generated with the same weights
+                return
+            self.evaluated.add(version)
+            t0 = time.time()
+            result = evaluate(self.rollout, self.reward, self.test_items, cfg)  # prepare() cut each test set
         result["time/eval"] = time.time() - t0
-        self.eval_results.append((version, result))
+        with self._eval_lock:
+            self.eval_results.append((version, result))
+
+    def _take_evaluations(self) -> list[dict[str, float]]:
+        """The evaluations finished since the last call, oldest first, each with its `eval/policy_version`."""
+        with self._eval_lock:
+            done, self.eval_results = self.eval_results, []
+        return [{**result, "eval/policy_version": float(version)} for version, result in done]
 
     def _produce(self) -> None:
         try:
@@ -359,10 +370,9 @@ class Trainer(Checkpointing, NodeLossHandling):
                               "the final weights are not evaluated", flush=True)  # fmt: skip
                     else:
                         self._maybe_evaluate(final=True)  # logged with this last step
-                for version, result in self.eval_results:
-                    metrics.update({k: v for k, v in result.items()})
-                    metrics["eval/policy_version"] = float(version)
-                self.eval_results.clear()
+                evaluations = self._take_evaluations()
+                if evaluations:  # the newest in this step's row; any older one in a row of its own at the same step
+                    metrics.update(evaluations.pop())
                 starved_run = starved_run + 1 if train_metrics.get("loss/select_starved") == 1.0 else 0
                 if starved_run == STARVED_STEPS and not self.starvation_said:  # once per run: a hint, not a log line
                     note = starvation_note(cfg, train_metrics)
@@ -381,6 +391,8 @@ class Trainer(Checkpointing, NodeLossHandling):
                     nonfinite_run = 0
                 history.append({"step": step, **metrics})
                 if tracker is not None:
+                    for older in evaluations:  # rare: two evaluations finished within one training step
+                        tracker.log(older, step=step)
                     tracker.log(metrics, step=step)
                     every = cfg.logger.sample_table_every
                     if every and step % every == 0:

@@ -1,5 +1,5 @@
-"""Which checkpoint a resume continues from, and the runs it refuses (another seed or prompt count, or other
-optimizer steps per RL step under a learning-rate schedule)."""
+"""Which checkpoint a resume continues from, and the runs it refuses (another seed, prompt count or shuffle setting;
+under a learning-rate schedule, other optimizer steps per RL step or another schedule)."""
 
 import json
 
@@ -55,3 +55,28 @@ def test_other_optimizer_steps_per_step_are_refused_under_a_schedule_only(tmp_pa
     assert resume_point(cfg_in(tmp_path, "--train.mini_batches", "2"), 64) is not None  # a constant rate: no matter
     with pytest.raises(ConfigError, match=r"--actor.lr_warmup_steps 3\) counts optimizer steps"):
         resume_point(cfg_in(tmp_path, "--actor.lr_warmup_steps", "3", "--train.mini_batches", "2"), 64)
+
+
+def test_another_learning_rate_schedule_is_refused_naming_what_changed(tmp_path):
+    from entropy_openrlhf.pipeline.checkpoints import schedule_settings
+
+    cosine = ("--actor.lr_scheduler", "cosine", "--train.num_steps", "100")
+    save(tmp_path, 50)
+    state_path = tmp_path / "checkpoints" / "step50" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({**state, "lr_schedule": schedule_settings(cfg_in(tmp_path, *cosine))}))
+    assert resume_point(cfg_in(tmp_path, *cosine), 64) is not None  # the same schedule
+    # 50 of 100 steps done, resumed as a run of 200: the cosine would jump from its middle to a quarter of the way
+    with pytest.raises(ConfigError, match=r"another learning-rate schedule \(optimizer steps in the run .* 200 -> 400"):
+        resume_point(cfg_in(tmp_path, "--actor.lr_scheduler", "cosine", "--train.num_steps", "200"), 64)
+    with pytest.raises(ConfigError, match=r"--actor.min_lr_ratio 0.0 -> 0.1"):
+        resume_point(cfg_in(tmp_path, *cosine, "--actor.min_lr_ratio", "0.1"), 64)
+    assert resume_point(cfg_in(tmp_path, "--train.num_steps", "200"), 64) is not None  # a constant rate: no matter
+
+
+def test_another_shuffle_setting_is_refused(tmp_path):
+    save(tmp_path, 2)
+    state_path = tmp_path / "checkpoints" / "step2" / "trainer_state.json"
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "shuffle": True}))
+    with pytest.raises(ConfigError, match=r"written with --data.shuffle True, this run has False"):
+        resume_point(cfg_in(tmp_path, "--data.shuffle", "false"), 64)

@@ -61,6 +61,11 @@ class TrainConfig(Section):
         """Optimizer steps in one RL step: one per mini-batch in each of the passes (what the lr schedule counts)."""
         return self.mini_batches * self.ppo_epochs
 
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps in the whole run: the learning-rate schedule's length."""
+        return self.num_steps * self.optimizer_steps_per_step
+
     def checks(self) -> list[str]:
         return _failed(
             (self.num_steps >= 1, "train.num_steps", "must be >= 1"),
