@@ -112,6 +112,15 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
         if cfg.train.resume and resume_point(cfg, len(train_items)) is None:  # one it cannot continue fails here
             print(f"[entropy-openrlhf] --train.resume: no complete checkpoint in {cfg.train.output_dir}/checkpoints: "
                   "this run starts at step 0", flush=True)  # fmt: skip
+        earlier = None if cfg.train.resume else latest_checkpoint(Path(cfg.train.output_dir) / "checkpoints")
+        if earlier is not None:
+            # a fresh run there would save between the earlier run's checkpoints, rotation would keep the newest
+            # steps of both, and a later resume could continue the earlier run
+            raise ConfigError(
+                f"--train.output_dir {cfg.train.output_dir} holds checkpoints of an earlier run (newest: "
+                f"{earlier.name}): --train.resume true continues it; to start afresh, give another "
+                f"--train.output_dir or remove {earlier.parent}"
+            )
     test_items = []
     for path in test_paths:
         items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)

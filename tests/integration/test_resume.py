@@ -6,8 +6,8 @@
   steps repeat, number for number and sample for sample, those of an uninterrupted run with the same seed (for
   Clip-Cov that includes its random choice of tokens); the first steps of the killed run match the uninterrupted
   run too (determinism of two synchronous runs). A planted half-written `.tmp-step4` folder is not picked.
-- A resume with another seed is refused before any actor starts; a fresh run in a folder that holds checkpoints
-  saves over them through `.old-step<N>`, leaving the new checkpoint only.
+- A resume with another seed is refused before any actor starts, and so is a fresh run in a folder that holds
+  checkpoints (it would save between them, and a later resume could continue the earlier run).
 - A policy group restored from a DeepSpeed checkpoint has the saved weights, optimizer moments, learning-rate
   schedule and RNG state: its next step is bit-identical to the step the saving group took.
 - Both runs use a cosine learning-rate schedule with warmup, so the logged `train/lr` of a resumed run must repeat
@@ -251,13 +251,19 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     assert (killed / "final" / "config.json").exists()
 
     if pipeline == "kl_cov":
-        # 4. a fresh run (no --train.resume) in the same folder saves over the old checkpoints: each complete old
-        # one is moved to .old-step<N> and deleted once the new one is in place
-        old_state = (killed / "checkpoints" / "step2" / "trainer_state.json").stat().st_mtime_ns
-        run_to_end(killed, ray_tmp, "--train.num_steps", "2")
-        names = sorted(p.name for p in (killed / "checkpoints").iterdir())
-        assert names == ["step2", "step4"], names  # the old step 4 is kept (rotation keeps two), nothing .old
-        assert (killed / "checkpoints" / "step2" / "trainer_state.json").stat().st_mtime_ns > old_state
+        # 4. a fresh run (no --train.resume) in the same folder is refused before any actor starts: it would save
+        # between the old checkpoints (rotation keeping the newest of both runs), and a resume could continue either
+        old_state = (killed / "checkpoints" / "step4" / "trainer_state.json").stat().st_mtime_ns
+        proc = start_job(killed, ray_tmp, "--train.num_steps", "2", pipeline=pipeline)
+        try:
+            assert proc.wait(timeout=RUN_TIMEOUT_S) == 2
+        finally:
+            end_job(proc, ray_tmp)
+        log = job_log(killed)
+        refusal = "holds checkpoints of an earlier run (newest: step4): --train.resume true continues it"
+        assert refusal in log, log[-3000:]
+        assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step2", "step4"]  # untouched
+        assert (killed / "checkpoints" / "step4" / "trainer_state.json").stat().st_mtime_ns == old_state
 
 
 def test_policy_checkpoint_restores_weights_optimizer_and_rng(ray_cluster, tiny_model, tmp_path):

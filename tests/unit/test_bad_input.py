@@ -64,9 +64,9 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
     no_tokenizer = tmp / "no_tokenizer"
     no_tokenizer.mkdir()
     (no_tokenizer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
-    corrupt = tmp / "out" / "checkpoints" / "step2"  # the run's --train.output_dir (below) holds a torn checkpoint
-    corrupt.mkdir(parents=True)
-    (corrupt / "trainer_state.json").write_text('{"step": 2, "seed"')
+    for run, state in (("torn", '{"step": 2, "seed"'), ("earlier", '{"step": 2, "seed": 42}')):
+        (tmp / run / "checkpoints" / "step2").mkdir(parents=True)  # an output folder with a checkpoint in it
+        (tmp / run / "checkpoints" / "step2" / "trainer_state.json").write_text(state)
     broken = tmp / "broken_verifier.py"
     broken.write_text("import a_module_that_is_not_there\n\ndef verify(response, label, **kw):\n    return 1.0\n")
     data = lambda name, rows: ["--data.train", jsonl(tmp / name, rows)]  # noqa: E731
@@ -116,7 +116,14 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
             data("list_label.jsonl", [{"prompt": "hi", "label": ["4", "four"]}]),
             ["'label'", "one label per row", "list"],
         ),
-        (["--train.resume", "true"], ["--train.resume", "step2", "trainer_state.json does not read"]),
+        (
+            ["--train.output_dir", str(tmp / "torn"), "--train.resume", "true"],
+            ["--train.resume", "step2", "trainer_state.json does not read"],
+        ),
+        (
+            ["--train.output_dir", str(tmp / "earlier")],
+            ["--train.output_dir", "holds checkpoints of an earlier run (newest: step2)", "--train.resume true"],
+        ),
         (["--algo.max_gen_batches", "0"], ["--algo.max_gen_batches", "0 must be >= 1"]),
         (["--ray.num_cpus", "-1"], ["--ray.num_cpus", "-1 must be >= 1"]),
         (["--logger.sample_table_every", "-1"], ["--logger.sample_table_every", "-1 must be >= 0"]),
@@ -131,8 +138,8 @@ CASE_IDS = [
     "verifier-import-error", "verifier-missing", "prompt-longer-than-context", "second-test-set-missing",
     "test-prompt-longer-than-context", "one-adam-beta", "negative-weight-decay", "infinite-verifier-deadline",
     "infinite-temperature", "negative-max-samples", "negative-eval-max-samples", "output-dir-is-a-file",
-    "model-without-tokenizer", "test-keys-without-train", "list-label", "torn-checkpoint", "no-generation-round",
-    "negative-ray-cpus", "negative-table-interval",
+    "model-without-tokenizer", "test-keys-without-train", "list-label", "torn-checkpoint",
+    "fresh-run-over-checkpoints", "no-generation-round", "negative-ray-cpus", "negative-table-interval",
 ]  # fmt: skip
 
 
