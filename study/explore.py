@@ -13,7 +13,8 @@ Printed:
   one-sample t over that arm's runs), the paired differences in pass@1 and pass@64, and the paired log ratio of
   entropy over the last ten steps;
 - the same pass@k at the midway evaluation (step 25), described and not tested;
-- every pair's numbers, seed by seed.
+- every pair's numbers, seed by seed;
+- a check that no run had a step at which its code could have evaluated the wrong weights (study/notebook.md).
 
 The figure (`--figure`) is descriptive, not part of the fixed analysis: pass@k against k for the base model and for
 each arm's final and midway weights (mean over the paired seeds, 95% t-interval bars).
@@ -98,6 +99,31 @@ def final_entropy(run: Run) -> float:
     if sorted(int(x) for x in s[0]) != list(range(STEPS)):  # each step once: a resumed run repeats no row
         raise ValueError(f"{run.source}: {ENTROPY_KEY} is not logged once at each step 0..{STEPS - 1}")
     return float(np.mean(s[1][-LAST:]))
+
+
+def steps_at_risk(run: Run) -> list[int] | None:
+    """The steps at which the code the runs used (7d6c542) could have evaluated the next version under this one's
+    label: generating and scoring a batch (`time/rollout` + `time/reward`) took longer than the training step
+    (`time/train`) beside it (study/notebook.md). None when the run logged no timings."""
+    try:
+        steps, rollout = run.pairs("step", "time/rollout")
+        reward = dict(zip(*run.pairs("step", "time/reward")))
+        train = dict(zip(*run.pairs("step", "time/train")))
+    except ValueError:
+        return None
+    return [int(s) for s, r in zip(steps, rollout) if r + reward.get(s, 0.0) > train.get(s, math.inf)]
+
+
+def race_check(pairs: dict[int, dict[str, Run]]) -> str:
+    """One line: whether any run had a step at risk of the evaluation-version race (steps_at_risk)."""
+    found = {f"{arm}_seed{seed}": steps_at_risk(run) for seed, arms in pairs.items() for arm, run in arms.items()}
+    unchecked = sorted(name for name, steps in found.items() if steps is None)
+    risky = {name: steps for name, steps in found.items() if steps}
+    if risky:
+        return f"Evaluation-version check: steps at risk in {risky}"
+    if unchecked:
+        return f"Evaluation-version check: no step at risk; no timings logged in {unchecked}"
+    return f"Evaluation-version check: no step at risk in any of the {len(found)} runs"
 
 
 def find_pairs(runs_dir: Path) -> dict[int, dict[str, Run]]:
@@ -248,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(pairs) < 2:
             raise ValueError(f"{runs}: {len(pairs)} complete seed pair(s) of {' and '.join(ARMS)}; the tests need two")
         print("\n".join(report(analyse(pairs, base), base)))
+        print(race_check(pairs))
         if args.figure:
             curves = pass_at_k_by_arm(pairs, sorted(base))
             print(f"wrote {plot_explore(base, curves, len(pairs), Path(args.figure))}")

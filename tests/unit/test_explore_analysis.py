@@ -178,3 +178,18 @@ def test_a_run_evaluated_once_has_no_midway_curve(experiment):
     curves = explore.pass_at_k_by_arm(explore.find_pairs(experiment["dir"]), list(KS))
     assert set(curves["explore_grpo"]) == {"final"}
     assert set(curves["explore_kl_cov"]) == {"final", "step 25"}
+
+
+def test_the_race_check_names_a_step_whose_generation_outlasted_its_training(experiment, capsys):
+    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    assert "Evaluation-version check: no step at risk; no timings logged in" in capsys.readouterr().out
+    path = experiment["dir"] / "explore_kl_cov_seed3" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        slow = row["step"] == 24
+        row.update({"time/rollout": 40.0 if slow else 15.0, "time/reward": 5.0, "time/train": 30.0 if slow else 55.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = explore.find_pairs(experiment["dir"])[3]["explore_kl_cov"]
+    assert explore.steps_at_risk(run) == [24]
+    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    assert "steps at risk in {'explore_kl_cov_seed3': [24]}" in capsys.readouterr().out
