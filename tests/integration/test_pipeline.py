@@ -122,7 +122,15 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
     run_dir = tracker.run_dir
     assert run_dir.exists() and list(run_dir.glob("*.wandb"))
     lines = [json.loads(x) for x in (run_dir / "files" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert [x["step"] for x in lines if "loss/policy" in x] == [0, 1, 2]  # one row per training step
+    # Every evaluation reaches the log once, each in the row of the step it finished in; an older one that finished
+    # in the same step as a newer one (version 2 and the final weights in step 2) in a row of its own before it.
+    # Synchronous, batch 2 is generated with version 2, so version 2 is evaluated; asynchronous, it may be version 1.
+    versions = [x["eval/policy_version"] for x in lines if "eval/policy_version" in x]
+    assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] == 3, versions
+    assert versions == [0, 2, 3] if staleness == 0 else set(versions) <= {0, 2, 3}, versions
+    extra = [x for x in lines if "loss/policy" not in x]
+    assert all(set(x) <= {"step"} | {k for k in x if k.startswith(("eval/", "time/eval"))} for x in extra), extra
     for key in ("entropy/seq_mean", "cov/max", "loss/kl_cov_frac", "reward/mean", "time/step"):
         assert key in lines[-1]
     assert lines[0]["eval/policy_version"] == 0 and "eval/acc" in lines[0]
