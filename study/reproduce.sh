@@ -101,7 +101,8 @@ STUDY_ORDER=(grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_
     clip_cov_all clip_cov_r03)
 
 merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
-    # a step logged again after a resume replaces the earlier row
+    # a step logged again after a resume replaces the earlier row. A step's row of an older evaluation alone
+    # (docs/guides/metrics.md) is kept beside its training row, before it.
     .venv/bin/python - "$1" "$2" <<'PY'
 import json, sys
 from pathlib import Path
@@ -110,8 +111,9 @@ for f in sorted(Path(sys.argv[1]).glob("wandb/offline-run-*/files/metrics.jsonl"
     for line in f.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[row["step"]] = row
-Path(sys.argv[2]).write_text("".join(json.dumps(rows[s]) + "\n" for s in sorted(rows)))
+            alone = "loss/policy" not in row and "eval/policy_version" in row
+            rows[(row["step"], 0, row["eval/policy_version"]) if alone else (row["step"], 1, 0)] = row
+Path(sys.argv[2]).write_text("".join(json.dumps(rows[key]) + "\n" for key in sorted(rows)))
 PY
 }
 

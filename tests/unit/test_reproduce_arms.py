@@ -177,3 +177,24 @@ def test_the_exploration_heldout_set_is_the_generators_and_never_trained_on():
     for seed in range(1, 8):
         train = generate(2000, split="train", seed=seed, levels=(3, 4))
         assert not questions & {r["prompt"][-1]["content"] for r in train}
+
+
+def test_merged_metrics_keep_the_newest_row_of_each_step_and_an_older_evaluation_s_own_row(tmp_path):
+    """merge_metrics joins a run's W&B folders (one per resume): a step logged again replaces the earlier row, and
+    a row holding only an older evaluation (two finished in one step) stays, before its step's training row."""
+    rows = {
+        "offline-run-1": [{"step": 0, "loss/policy": 1.0}, {"step": 1, "loss/policy": 1.0},
+                          {"step": 2, "eval/policy_version": 2, "eval/acc": 0.1},
+                          {"step": 2, "loss/policy": 1.0, "eval/policy_version": 3}],
+        "offline-run-2": [{"step": 1, "loss/policy": 2.0}],  # step 1 again, after a resume
+    }  # fmt: skip
+    for folder, lines in rows.items():
+        files = tmp_path / "wandb" / folder / "files"
+        files.mkdir(parents=True)
+        (files / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    function = re.search(r"^merge_metrics\(\) \{.*?^\}$", SCRIPT.read_text(), re.S | re.M).group(0)
+    out = tmp_path / "merged.jsonl"
+    subprocess.run(["bash", "-c", f'{function}\nmerge_metrics "$1" "$2"', "_", str(tmp_path), str(out)], cwd=ROOT,
+                   check=True, timeout=120)  # fmt: skip
+    merged = [json.loads(line) for line in out.read_text().splitlines()]
+    assert merged == [rows["offline-run-1"][0], rows["offline-run-2"][0], *rows["offline-run-1"][2:]]
