@@ -32,8 +32,8 @@ from entropy_openrlhf.models.smollm2 import MODEL_NAME, ensure_smollm2
 from entropy_openrlhf.models.tiny import make_tiny_model
 from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint, resume_point
 from entropy_openrlhf.pipeline.faults import NodeLostError
-from entropy_openrlhf.pipeline.tracking import Tracker
-from entropy_openrlhf.pipeline.trainer import Trainer, summarize
+from entropy_openrlhf.pipeline.tracking import Tracker, summarize
+from entropy_openrlhf.pipeline.trainer import Trainer
 from rewards import VerifierLoadError, load_verifier
 
 T = TypeVar("T")

@@ -12,6 +12,7 @@ raise ConnectionResetError before its own stop handler runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -67,3 +68,43 @@ class Tracker:
         self._jsonl.close()
         if not self.wandb_failed:
             self.run.finish()
+
+
+def summarize(history: list[dict[str, float]], startup_s: float) -> str:
+    """The end-of-run table `make demo` prints (from the history `Trainer.run` returns)."""
+    if not history:
+        return "no steps ran"
+    first, last = history[0], history[-1]
+
+    def avg(key: str) -> float:
+        vals = [h[key] for h in history if key in h and math.isfinite(h[key])]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    rows = [
+        ("steps", f"{len(history)}"),
+        (
+            "reward (first step -> last step)",
+            f"{first.get('reward/mean', float('nan')):.3f} -> {last.get('reward/mean', float('nan')):.3f}",
+        ),
+        (
+            "accuracy (first -> last)",
+            f"{first.get('reward/acc', float('nan')):.3f} -> {last.get('reward/acc', float('nan')):.3f}",
+        ),
+        (
+            "entropy seq-mean (first -> last)",
+            f"{first.get('entropy/seq_mean', float('nan')):.3f} -> {last.get('entropy/seq_mean', float('nan')):.3f}",
+        ),
+        ("startup seconds", f"{startup_s:.1f}"),
+    ]
+    for key in (
+        "time/rollout",
+        "time/reward",
+        "time/reference",
+        "time/train",
+        "time/sync",
+        "time/wait_for_rollout",
+        "time/step",
+    ):
+        rows.append((f"{key} (mean s)", f"{avg(key):.2f}"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -12,7 +12,6 @@ run under the sync's `engine_lock`, so that weights never change under a generat
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -422,43 +421,3 @@ class Trainer(Checkpointing, NodeLossHandling):
             # thread and its calls fail once the groups are shut down, so the driver does not wait it out
             producer.join(timeout=60 if ended else 5)
         return history
-
-
-def summarize(history: list[dict[str, float]], startup_s: float) -> str:
-    """The end-of-run table `make demo` prints."""
-    if not history:
-        return "no steps ran"
-    first, last = history[0], history[-1]
-
-    def avg(key: str) -> float:
-        vals = [h[key] for h in history if key in h and math.isfinite(h[key])]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    rows = [
-        ("steps", f"{len(history)}"),
-        (
-            "reward (first step -> last step)",
-            f"{first.get('reward/mean', float('nan')):.3f} -> {last.get('reward/mean', float('nan')):.3f}",
-        ),
-        (
-            "accuracy (first -> last)",
-            f"{first.get('reward/acc', float('nan')):.3f} -> {last.get('reward/acc', float('nan')):.3f}",
-        ),
-        (
-            "entropy seq-mean (first -> last)",
-            f"{first.get('entropy/seq_mean', float('nan')):.3f} -> {last.get('entropy/seq_mean', float('nan')):.3f}",
-        ),
-        ("startup seconds", f"{startup_s:.1f}"),
-    ]
-    for key in (
-        "time/rollout",
-        "time/reward",
-        "time/reference",
-        "time/train",
-        "time/sync",
-        "time/wait_for_rollout",
-        "time/step",
-    ):
-        rows.append((f"{key} (mean s)", f"{avg(key):.2f}"))
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -89,6 +89,7 @@ def make_weight_sync(
     the rollout group (not yet set up). `policy_busy_s`: the longest a training step may run (--train.step_timeout_s),
     which a call on the policy ranks may have to wait for; 0: the sync's default."""
     cls = method_class(resolve_method(settings.method, lora))
+    # the default lives in base.py, which imports Ray: this module must not (the config imports it)
     busy = {"policy_busy_s": policy_busy_s} if policy_busy_s > 0 else {}
     return cls(rollout, policy, timeout_s=settings.timeout_s, max_chunk_mb=settings.max_chunk_mb, **busy)
 
