@@ -342,8 +342,11 @@ def select_globally(
                 forward_log_probs(engine, s.batches[i], temperature=temperature, with_entropy=s.needs_entropy)
                 for i in idx
             ]
+    # weighted on every rank alike (the same settings), so that every rank gathers the same rows; the old pass has
+    # computed the weights (bypass, which has no old pass, refuses every weight and rejection)
+    with_weights = s.off_policy.is_level != "none" or s.off_policy.reject != "none"
     pooled = [
-        TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent)
+        TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent, is_weights=s.is_weights[i])
         for (lp, ent), i in zip(current, idx)
     ]
     lc, generator = setup.cfg.loss, _generator(setup, s.step, update, 0)
@@ -353,7 +356,9 @@ def select_globally(
         ctx = dataclasses.replace(base, cov_means=means, generator=generator)
         return select_tokens(lc.type, s.params, lc, tokens, ctx)
 
-    masks, cov_means, total, selection_metrics = pooled_selection(pooled, select, with_entropy=s.needs_entropy)
+    masks, cov_means, total, selection_metrics = pooled_selection(
+        pooled, select, with_entropy=s.needs_entropy, with_weights=with_weights
+    )
     for k, v in selection_metrics.items():
         s.add(k, v)
     return dict(zip(idx, masks)), dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))

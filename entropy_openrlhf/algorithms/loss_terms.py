@@ -136,6 +136,19 @@ def weighted(token_loss: torch.Tensor, is_weights: torch.Tensor | None, valid: t
     return token_loss * torch.where(valid, is_weights.float(), 0.0)
 
 
+def live_candidates(
+    mask: torch.Tensor, is_weights: torch.Tensor | None, candidates: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Where Clip-Cov and KL-Cov may choose: `candidates` (None: every valid token) less the tokens the off-policy
+    correction rejected (weight 0). Their loss is multiplied by 0, so a slot of the quota spent on one would act on
+    nothing; they still count in the quota's N and the covariance's centring, as they stay in the loss normaliser
+    (docs/algorithms/off_policy.md). None when nothing restricts the choice."""
+    if is_weights is None:
+        return candidates
+    live = (is_weights > 0) & mask.bool()
+    return live if candidates is None else live & candidates.bool()
+
+
 def check_like(name: str, x: torch.Tensor | None, mask: torch.Tensor) -> None:
     if x is not None and x.shape != mask.shape:
         raise ValueError(f"shape mismatch: {name} {tuple(x.shape)}, mask {tuple(mask.shape)}")

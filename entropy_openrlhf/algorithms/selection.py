@@ -68,29 +68,39 @@ def pooled_selection(
     select: Callable[[TokenBatch, tuple[float, float]], tuple[torch.Tensor, dict[str, float]]],
     *,
     with_entropy: bool = False,
+    with_weights: bool = False,
     group=None,
 ) -> tuple[list[torch.Tensor], tuple[float, float], int, dict[str, float]]:
     """Run `select` once over all valid tokens of `micro_batches` on all ranks of `group`.
 
-    `select(pooled, means)` gets every valid token as a (1, N) TokenBatch (entropy included when `with_entropy`)
-    and the pooled (advantage mean, log-prob mean); it returns a (1, N) bool mask and metrics. Returns one mask per
-    micro-batch (its shape), the means (the losses take them as `cov_means=` so their covariance metrics use the
-    same centring), the number of tokens selected on all ranks, and the metrics.
+    `select(pooled, means)` gets every valid token as a (1, N) TokenBatch (entropy included when `with_entropy`,
+    the off-policy weights when `with_weights`: a micro-batch without them weighs 1) and the pooled (advantage
+    mean, log-prob mean); it returns a (1, N) bool mask and metrics. Every rank must pass the same flags, since
+    they set how many rows are gathered. Returns one mask per micro-batch (its shape), the means (the losses take
+    them as `cov_means=` so their covariance metrics use the same centring), the number of tokens selected on all
+    ranks, and the metrics.
     """
     valids = [mb.mask.bool() for mb in micro_batches]
     pairs = list(zip(micro_batches, valids, strict=True))
-    names = ["log_probs", "old_log_probs", "advantages"] + (["entropy"] if with_entropy else [])
+    names = ["log_probs", "old_log_probs", "advantages"]
+    names += (["entropy"] if with_entropy else []) + (["is_weights"] if with_weights else [])
+
+    def row(mb: MicroBatch | TokenBatch, name: str) -> torch.Tensor:
+        values = getattr(mb, name, None)
+        if values is None:  # only the weights may be absent (a MicroBatch has none)
+            values = torch.ones_like(mb.log_probs)
+        return values.detach().float().cpu()
+
     # rows: one per input, every valid token in micro-batch then row-major order
-    local = torch.stack(
-        [torch.cat([getattr(mb, name).detach().float().cpu()[v.cpu()] for mb, v in pairs]) for name in names]
-    )
+    local = torch.stack([torch.cat([row(mb, name)[v.cpu()] for mb, v in pairs]) for name in names])
     n_local = local.shape[1]
     everything, offset = _gather_rows(local, group)
     rows = [everything[i : i + 1] for i in range(len(names))]
     n = rows[0].numel()
     means = (float(rows[2].mean()), float(rows[0].mean())) if n else (0.0, 0.0)
     pooled = TokenBatch(rows[0], rows[1], rows[2], torch.ones_like(rows[0], dtype=torch.bool),
-                        entropy=rows[3] if with_entropy else None)  # fmt: skip
+                        entropy=rows[3] if with_entropy else None,
+                        is_weights=rows[-1] if with_weights else None)  # fmt: skip
     chosen, metrics = select(pooled, means)
 
     mine = chosen.view(-1)[offset : offset + n_local]

@@ -17,7 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from entropy_openrlhf.algorithms.losses import clip_cov_loss, kl_cov_loss, token_covariance
-from entropy_openrlhf.algorithms.selection import MicroBatch, _comm_device, global_selection
+from entropy_openrlhf.algorithms.objectives import LossContext, TokenBatch, select_tokens
+from entropy_openrlhf.algorithms.objectives.clip_cov import ClipCovConfig
+from entropy_openrlhf.algorithms.objectives.kl_cov import KLCovConfig
+from entropy_openrlhf.algorithms.selection import MicroBatch, _comm_device, global_selection, pooled_selection
 
 LENGTHS = [5, 9, 3, 12, 7, 1, 10, 6]  # 53 valid tokens
 SPLITS = [[8], [4, 4], [3, 5], [1, 1, 6]]
@@ -239,6 +242,81 @@ def test_global_selection_edge_cases():
     assert not masks[0].any()
     with pytest.raises(ValueError, match="unknown selection method 'ppo'"):
         global_selection([pad(seqs, [0])], "ppo", ratio=0.1)
+
+
+# ---------------------------------------------------------------- tokens the off-policy correction rejected
+
+
+def weighted(mb, rejected_ids, ids):
+    """mb as a TokenBatch whose off-policy weights are 0 on the sequences `rejected_ids` (of `ids`) and 0.7 on the
+    others' tokens (a truncated weight: not 1, so a weight is not mistaken for a mask)."""
+    w = torch.where(mb.mask.bool(), torch.tensor(0.7), torch.tensor(0.0))
+    for row, i in enumerate(ids):
+        if i in rejected_ids:
+            w[row] = 0.0
+    return TokenBatch(mb.log_probs, mb.old_log_probs, mb.advantages, mb.mask, is_weights=w)
+
+
+def top_sequence(seqs):
+    cov, _ = ref_cov(seqs)
+    return max(cov, key=cov.get)[0]
+
+
+@pytest.mark.parametrize("scope", ["micro_batch", "global"])
+def test_rejected_tokens_are_never_chosen_yet_count_in_the_quota_and_the_centring(scope):
+    # The sequence holding the largest covariance is rejected: KL-Cov must take the top K of the other sequences'
+    # tokens, K and the covariance still counted over all 53 tokens (they stay in the loss normaliser).
+    seqs = make_seqs()
+    rejected = {top_sequence(seqs)}
+    cov, _ = ref_cov(seqs)
+    k = max(1, math.floor(KL_RATIO * len(cov)))
+    kept = {key: c for key, c in cov.items() if key[0] not in rejected}
+    want = set(sorted(kept, key=kept.get, reverse=True)[:k])
+    assert want != ref_kl_top(seqs, KL_RATIO)  # the rejection changes the choice
+    want_cands = {key for key in ref_clip_candidates(seqs) if key[0] not in rejected}
+    assert ref_clip_candidates(seqs) - want_cands  # a candidate of Clip-Cov sits in the rejected sequence
+    kl, cc = KLCovConfig(ratio=KL_RATIO), ClipCovConfig(ratio=1.0, lb=CLIP_COV["cov_lb"], ub=CLIP_COV["cov_ub"])
+    ctx = LossContext(clip_low=1.0, clip_high=1.0)
+    if scope == "micro_batch":
+        ids = list(range(8))
+        batch = weighted(pad(seqs, ids), rejected, ids)
+        got_kl = to_pairs([select_tokens("kl_cov", kl, None, batch, ctx)[0]], [ids])
+        got_cc = to_pairs([select_tokens("clip_cov", cc, None, batch, ctx)[0]], [ids])
+        # the plain functions choose the same way when they select for themselves
+        args = (batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask)
+        plain_kl = kl_cov_loss(*args, ratio=KL_RATIO, is_weights=batch.is_weights).selected
+        plain_cc = clip_cov_loss(*args, **dict(CLIP_COV, ratio=1.0), is_weights=batch.is_weights).selected
+        assert to_pairs([plain_kl], [ids]) == want and to_pairs([plain_cc], [ids]) == want_cands
+    else:
+        groups = split_ids([3, 5])
+        batches = [weighted(pad(seqs, g), rejected, g) for g in groups]
+
+        def pooled(name, params):
+            def choose(tokens, means):
+                return select_tokens(
+                    name, params, None, tokens, LossContext(clip_low=1.0, clip_high=1.0, cov_means=means)
+                )
+
+            masks, means, _, _ = pooled_selection(batches, choose, with_weights=True)
+            assert means == (pytest.approx(ref_cov(seqs)[1][0], rel=1e-6), pytest.approx(ref_cov(seqs)[1][1], rel=1e-6))
+            return to_pairs(masks, groups)
+
+        got_kl, got_cc = pooled("kl_cov", kl), pooled("clip_cov", cc)
+    assert got_kl == want and len(got_kl) == k
+    assert got_cc == want_cands  # ratio 1: every candidate outside the rejected sequence, none in it
+
+
+def test_pooled_weights_absent_on_a_micro_batch_weigh_one():
+    # global_selection's MicroBatch carries no weights: with_weights, it selects as if every token weighed 1
+    seqs = make_seqs()
+    groups = split_ids([4, 4])
+    batches = [pad(seqs, g) for g in groups]
+
+    def choose(tokens, means):
+        return select_tokens("kl_cov", KLCovConfig(ratio=KL_RATIO), None, tokens, LossContext(cov_means=means))
+
+    masks, _, total, _ = pooled_selection(batches, choose, with_weights=True)
+    assert to_pairs(masks, groups) == ref_kl_top(seqs, KL_RATIO) and total == 5
 
 
 # ---------------------------------------------------------------- the losses use a precomputed selection

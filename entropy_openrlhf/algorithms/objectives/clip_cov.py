@@ -14,6 +14,7 @@ from entropy_openrlhf.algorithms.loss_terms import (
     check_ratio,
     clip_fracs,
     cov_metrics,
+    live_candidates,
     masked_mean,
     ppo_terms,
     prepare,
@@ -116,6 +117,7 @@ def clip_cov_loss(
         selected = clip_cov_select(
             log_probs, old_log_probs, advantages, mask, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
             bounds_unit=bounds_unit, clip_low=clip_low, clip_high=clip_high, generator=generator, cov_means=cov_means,
+            candidates=live_candidates(mask, is_weights),
         )  # fmt: skip
     selected = selected.bool() & valid
     ratio_t, unclipped, clipped = ppo_terms(adv, log_ratio, clip_low, clip_high)
@@ -161,7 +163,8 @@ def select(batch: TokenBatch, params: ClipCovConfig, ctx: LossContext, candidate
     return clip_cov_select(
         batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, ratio=params.ratio, cov_lb=params.lb,
         cov_ub=params.ub, bounds_unit=params.bounds_unit, clip_low=ctx.clip_low, clip_high=ctx.clip_high,
-        generator=ctx.generator, cov_means=ctx.cov_means, candidates=candidates,
+        generator=ctx.generator, cov_means=ctx.cov_means,
+        candidates=live_candidates(batch.mask, batch.is_weights, candidates),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from entropy_openrlhf.algorithms.loss_terms import (
     check_ratio,
     clip_fracs,
     cov_metrics,
+    live_candidates,
     masked_mean,
     ppo_terms,
     prepare,
@@ -88,7 +89,8 @@ def kl_cov_loss(
     check_ratio(ratio, "kl_cov ratio")
     lp, old, adv, valid, log_ratio = prepare(log_probs, old_log_probs, advantages, mask)
     if selected is None:
-        selected = kl_cov_select(log_probs, advantages, mask, ratio=ratio, cov_means=cov_means)
+        candidates = live_candidates(mask, is_weights)
+        selected = kl_cov_select(log_probs, advantages, mask, ratio=ratio, cov_means=cov_means, candidates=candidates)
     selected = selected.bool() & valid
     if ppo_clip is None:
         base = -adv * log_ratio.exp()
@@ -135,7 +137,7 @@ class KLCovConfig:
 def select(batch: TokenBatch, params: KLCovConfig, ctx: LossContext, candidates: torch.Tensor | None):
     return kl_cov_select(
         batch.log_probs, batch.advantages, batch.mask, ratio=params.ratio, cov_means=ctx.cov_means,
-        candidates=candidates,
+        candidates=live_candidates(batch.mask, batch.is_weights, candidates),
     )  # fmt: skip
 
 
