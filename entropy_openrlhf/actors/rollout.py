@@ -107,7 +107,7 @@ class RolloutGroup(ActorGroup):
         self.version = 0
         self.restarts = 0  # engines that died (and Ray restarted) so far
         # A generate call that runs longer than this gets its engine killed, which turns a hang into a death the
-        # restart path below already handles; 0 = wait forever.
+        # restart path below already handles (the config refuses 0: every call has a deadline).
         self.generate_timeout_s = generate_timeout_s
 
         def spawn(i: int):
