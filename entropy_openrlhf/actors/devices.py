@@ -50,17 +50,27 @@ def accelerator_error(device_index: int | None, cuda_available: bool, ds_acceler
     return ""
 
 
-def engine_visible_devices(gpu_ids: list, visible_devices_env: str | None, noset: bool) -> str | None:
-    """CUDA_VISIBLE_DEVICES for an engine's process, or None to leave it as Ray set it.
+def engine_visible_devices(gpu_ids: list | None, visible_devices_env: str | None, noset: bool) -> str | None:
+    """CUDA_VISIBLE_DEVICES for an engine's process, or None to leave it as it is. `gpu_ids`: the GPUs Ray gave
+    the engine's actor, None outside a Ray actor (an engine built in-process, as the benchmarks do: nothing to
+    narrow).
 
     Ray normally sets CUDA_VISIBLE_DEVICES to the actor's own GPUs. With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
     (`noset`) it does not, every engine sees the whole node, and vLLM takes cuda:0 (and 1 for TP 2): the GPUs of
     policy rank 0 and of every other engine. So the engine narrows its own view to the GPUs Ray gave it, before vLLM
     (and its TP worker processes, which inherit the variable) start, as OpenRLHF's vllm_engine.py does. Ray's ids are
     physical device ids (or entries of the raylet's own CUDA_VISIBLE_DEVICES list, checked by the policy ranks'
-    `local_device_index`), which is what CUDA_VISIBLE_DEVICES takes. An engine without GPUs keeps what it has.
+    `local_device_index`), which is what CUDA_VISIBLE_DEVICES takes.
+
+    An engine actor given no GPU (`--rollout.num_gpus_per_engine 0`) sees none: Ray 2.60 leaves a GPU-less actor
+    every GPU of its node (ray#54868), where vLLM would take cuda:0, a policy rank's. The policy and reference ranks
+    hide them the same way.
     """
-    if not noset or not gpu_ids:
+    if gpu_ids is None:
+        return None
+    if not gpu_ids:
+        return ""
+    if not noset:
         return None
     ids = [str(g).strip() for g in gpu_ids]
     for gpu in ids:  # raises naming an id the raylet's own device list does not hold

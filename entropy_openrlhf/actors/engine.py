@@ -142,7 +142,7 @@ class RolloutEngine:
         # before anything in this process asks CUDA for its devices (set_cpu_defaults does): CUDA reads the variable
         # once, at its initialisation
         devices = engine_visible_devices(
-            ray.get_gpu_ids() if ray.is_initialized() else [],  # in-process use (benchmarks) has no Ray worker
+            ray.get_gpu_ids() if ray.is_initialized() else None,  # in-process use (benchmarks) has no Ray worker
             os.environ.get("CUDA_VISIBLE_DEVICES"),
             bool(os.environ.get(NOSET_VISIBLE_DEVICES)),
         )

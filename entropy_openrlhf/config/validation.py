@@ -43,7 +43,7 @@ def validate(cfg: Config) -> list[str]:
                      "and a vLLM engine tensor_parallel_size of them")  # fmt: skip
     if (r.num_gpus_per_engine > 0) != (a.num_gpus_per_worker > 0):
         notes.append("only one of --rollout.num_gpus_per_engine and --actor.num_gpus_per_worker is > 0: the other "
-                     "group gets no GPU from Ray")  # fmt: skip
+                     "group gets no GPU and runs on the CPU, its processes seeing none of the node's GPUs")  # fmt: skip
     need(
         not (cfg.algo.kl_coef > 0 and not cfg.uses_reference),
         "algo.kl_coef",

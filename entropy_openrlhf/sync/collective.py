@@ -119,6 +119,7 @@ class CollectiveSender(RankSender):
         if rank0 and failure is None:
             try:
                 self.group.finish()
+                self.group.release_cache()
             except Exception as e:  # noqa: BLE001 - raised below
                 failure = e
                 self.close()

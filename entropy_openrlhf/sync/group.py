@@ -129,6 +129,11 @@ class WeightSyncGroup:
             self.device = _cuda_device()
             group = stateless_group(rank=rank, world_size=world_size, store=prefixed)
             self.comm = communicator(group, device=self.device)
+            if self.comm.disabled:  # PyNccl turns itself off without raising, and its broadcast then does nothing
+                raise WeightSyncError(
+                    f"weight sync rank {rank}: vLLM's NCCL communicator is disabled in this process "
+                    "(VLLM_DISABLE_PYNCCL is set, or the NCCL library did not load)"
+                )
         else:
             timeout = datetime.timedelta(seconds=timeout_s)
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
@@ -178,6 +183,13 @@ class WeightSyncGroup:
                     "communicator was aborted"
                 )
             time.sleep(0.001)
+
+    def release_cache(self) -> None:
+        """After a whole sync: NCCL hands the blocks its sent and received tensors held back to the GPU (OpenRLHF
+        empties the cache around its broadcast to vLLM, verl after its update), so an engine's next batch and the
+        policy's next step start without them. Gloo: nothing."""
+        if self.comm is not None:
+            _cuda().empty_cache()
 
     def send(self, tensor: torch.Tensor) -> None:
         """Rank 0: broadcast one tensor (moved to the group's device and made contiguous if needed)."""

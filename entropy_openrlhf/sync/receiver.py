@@ -85,6 +85,7 @@ class WeightSyncExtension:
                 for _ in received:  # a load that stopped early: take the rest, so the sender is not left waiting
                     pass
             group.finish("receiving the policy's weights")  # NCCL queues the receives: done, or aborted in time
+            group.release_cache()
         except BaseException:
             # out of step with the other ranks: leave the group at once, so that ranks still waiting on this one
             # fail now rather than at the group's timeout; the driver rebuilds the group

@@ -94,10 +94,17 @@ def test_an_id_outside_the_raylet_s_device_list_fails_naming_it():
         engine_visible_devices([4, 2], "4,5", noset=True)
 
 
-def test_without_noset_or_without_gpus_the_engine_keeps_what_ray_set():
+def test_without_noset_the_engine_keeps_what_ray_set_and_outside_ray_what_it_has():
     assert engine_visible_devices([3], "3", noset=False) is None  # Ray already narrowed it
-    assert engine_visible_devices([], "0,1,2,3", noset=True) is None  # a CPU engine: nothing to choose
-    assert engine_visible_devices([], None, noset=False) is None
+    assert engine_visible_devices(None, "0,1,2,3", noset=True) is None  # in-process (a benchmark): no Ray actor
+    assert engine_visible_devices(None, None, noset=False) is None
+
+
+def test_an_engine_actor_without_gpus_sees_none_whatever_ray_left_it():
+    # Ray 2.60 leaves a GPU-less actor the node's CUDA_VISIBLE_DEVICES (or none at all, meaning every GPU)
+    assert engine_visible_devices([], "0,1,2,3", noset=False) == ""
+    assert engine_visible_devices([], None, noset=False) == ""
+    assert engine_visible_devices([], "0,1,2,3", noset=True) == ""
 
 
 def test_the_engine_reads_the_same_variable_as_the_policy_ranks():

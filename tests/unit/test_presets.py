@@ -237,7 +237,7 @@ def test_idle_and_one_sided_gpu_reservations_warn():
     with pytest.warns(UserWarning, match="stay idle"):
         validate(cfg)
     cfg = preset("qwen2.5-7b-dapo", "kl_cov", "--actor.num_gpus_per_worker", "0")
-    with pytest.warns(UserWarning, match="gets no GPU from Ray"):
+    with pytest.warns(UserWarning, match="gets no GPU and runs on the CPU"):
         validate(cfg)
 
 

@@ -50,6 +50,7 @@ class FakeCommunicator:
     """Stands in for vLLM's PyNcclCommunicator: records its calls; a receiving rank gets rank 0's value."""
 
     made: list = []
+    disabled = False  # PyNccl's own flag: set when VLLM_DISABLE_PYNCCL is or libnccl does not load
 
     def __init__(self, group, device):
         self.group, self.device = group, device
@@ -72,6 +73,7 @@ class FakeCuda:
     def __init__(self):
         self.done = True
         self.recorded: list = []
+        self.emptied = 0
         fake = self
 
         class Event:
@@ -85,6 +87,9 @@ class FakeCuda:
 
     def current_stream(self):
         return "the current stream"
+
+    def empty_cache(self):
+        self.emptied += 1
 
 
 @pytest.fixture
@@ -112,6 +117,9 @@ def test_nccl_builds_vllms_stateless_group_and_pynccl_and_broadcasts_on_the_curr
     assert received["w"].shape == (2, 3) and received["b"].dtype == torch.bfloat16
     assert all(b[1] == 0 and b[2] == "the current stream" for b in comm.broadcasts)
     group.finish()
+    assert fake_gpu.emptied == 0
+    group.release_cache()  # after a whole sync, the cached blocks go back to the GPU
+    assert fake_gpu.emptied == 1
 
     group.close()
     assert comm.destroyed == 1  # close aborts the communicator (PyNccl's destroy calls ncclCommAbort)
@@ -119,6 +127,14 @@ def test_nccl_builds_vllms_stateless_group_and_pynccl_and_broadcasts_on_the_curr
     assert comm.destroyed == 1
     with pytest.raises(WeightSyncError, match="closed"):
         group.send(torch.ones(1))
+
+
+def test_a_disabled_pynccl_communicator_is_an_error_not_a_broadcast_that_does_nothing(fake_gpu, monkeypatch):
+    monkeypatch.setattr(FakeCommunicator, "disabled", True)
+    with pytest.raises(WeightSyncError, match="weight sync rank 1: vLLM's NCCL communicator is disabled"):
+        WeightSyncGroup(dist.HashStore(), rank=1, world_size=2, backend="nccl", timeout_s=5)
+    (comm,) = FakeCommunicator.made
+    assert comm.broadcasts == []  # no handshake was tried against itself
 
 
 def test_nccl_finish_aborts_the_communicator_at_the_deadline_instead_of_hanging(fake_gpu):
@@ -138,11 +154,13 @@ def test_nccl_finish_aborts_the_communicator_at_the_deadline_instead_of_hanging(
 
 def test_gloo_on_cpu_is_a_process_group_of_its_own(monkeypatch):
     monkeypatch.setattr(weight_sync, "_vllm_nccl", lambda: pytest.fail("gloo must not touch vLLM's NCCL classes"))
+    monkeypatch.setattr(weight_sync, "_cuda", lambda: pytest.fail("gloo must not touch CUDA"))
     group = WeightSyncGroup(dist.HashStore(), rank=0, world_size=1, backend="gloo", timeout_s=5)
     assert group.comm is None and isinstance(group.pg, dist.ProcessGroupGloo)
     assert group.device == torch.device("cpu") and not dist.is_initialized()  # the default group is untouched
     group.send(torch.ones(3))
     group.finish()  # gloo's calls are synchronous: nothing to wait for
+    group.release_cache()  # no CUDA cache to empty
     group.close()
     assert group.pg is None
 
