@@ -264,6 +264,29 @@ class TestCollectiveSync:
         finally:
             engines.shutdown()
 
+    def test_collective_sync_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
+        """vLLM's default on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): the engine's worker, which joins the
+        group and receives the broadcast, lives in the engine core's process, not the Ray actor's. Last in the
+        class: the policy's ranks then hold this sync's group, not the shared one's."""
+        from entropy_openrlhf.actors.rollout import RolloutGroup
+
+        policy.train_step(fixed_batch(seed=3), 6)  # weights no engine has seen
+        engines = RolloutGroup(
+            tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512,
+            env_vars={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        )  # fmt: skip
+        try:
+            assert ray.get(engines.actors[0].engine_core_in_process.remote()) is False
+            trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
+            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) > 1e-2
+            sync = CollectiveSync(engines, policy)
+            assert build(sync, timeout_s=60) < 60 and sync.describe() == "collective over gloo, 2 ranks"
+            broadcast(sync, 1, timeout_s=60)
+            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) < 1e-3
+            assert ray.get(engines.actors[0].get_version.remote()) == 1
+        finally:
+            engines.shutdown()
+
 
 def test_pipeline_two_steps_with_collective_sync(ray_cluster, tmp_path):
     from entropy_openrlhf.pipeline.main import prepare
