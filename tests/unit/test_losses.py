@@ -456,3 +456,66 @@ def test_kl_cov_ppo_clip_ablation_is_ppo_plus_the_penalty_by_hand():
         float(ppo_loss(lp, old, adv, mask, clip_low=lo, clip_high=hi).loss), rel=1e-6
     )
     assert float(kl_cov_loss(lp, old, adv, mask, ratio=ratio, coef=coef).loss) != pytest.approx(want / n, rel=1e-3)
+
+
+# ---------------------------------------------------------------- off-policy weights, written out per token
+
+
+def ref_token_and_slope(name, lp, old, a, selected, lo, hi, coef):
+    """One token's loss and its derivative in log pi, by hand: PPO's surrogate has slope -A*r while unclipped and 0
+    when the clip holds it; KL-Cov's base is -A*r, plus coef*|d| (slope coef*sign(d)) when selected; Clip-Cov's
+    selected tokens drop out of the sum (value and slope 0; they stay in the mean's count)."""
+    d = max(-20.0, min(20.0, lp - old))
+    r = math.exp(d)
+    if name == "kl_cov":
+        pen = coef * abs(d) if selected else 0.0
+        return -a * r + pen, -a * r + (coef * math.copysign(1.0, d) if selected else 0.0)
+    value, clipped = ref_ppo_token(lp, old, a, lo, hi)
+    if name == "clip_cov" and selected:
+        return 0.0, 0.0
+    return value, 0.0 if clipped else -a * r
+
+
+@pytest.mark.parametrize("name", ["ppo", "clip_cov", "kl_cov"])
+def test_is_weights_multiply_each_token_and_a_rejected_token_is_never_chosen(name):
+    """Loss and gradient with off-policy weights against the per-token reference times the weight, the mean taken
+    over every valid token (rejected ones included); Clip-Cov and KL-Cov choose only among tokens weighing > 0."""
+    lp, old, adv, mask = batch(seed=11, B=6, L=8, spread=0.4)
+    lo = hi = 0.2 if name == "ppo" else 1.0  # Clip-Cov at the paper's clip of 1, so its candidates are plentiful
+    L = as_lists(lp, old, adv, mask)
+    toks = _valid_tokens(L[3])
+    cov = ref_cov(L[0], L[2], L[3])
+    # rejected: the response holding the largest covariance (KL-Cov's first choice) or a Clip-Cov candidate
+    cands = ref_clip_cov_candidates(*L, 1.0, 5.0, lo, hi)
+    row = min(cands)[0] if name == "clip_cov" else max(cov, key=cov.get)[0]
+    g = torch.Generator().manual_seed(12)
+    weights = (0.2 + 1.8 * torch.rand(lp.shape, generator=g)) * mask
+    weights[row] = 0.0
+    weights[(row + 1) % 6, 1] = 0.0  # and one token of another response
+    live = [(b, t) for b, t in toks if weights[b, t] > 0]
+    if name == "kl_cov":
+        k = max(1, math.floor(0.25 * len(toks)))  # K from every valid token
+        want_sel = set(sorted(live, key=cov.get, reverse=True)[:k])
+        assert want_sel != set(sorted(toks, key=cov.get, reverse=True)[:k])  # the rejection changes the choice
+        call = {"ratio": 0.25, "coef": 0.7}
+    elif name == "clip_cov":
+        want_sel = {x for x in cands if x in live}  # ratio 1: every live candidate
+        assert want_sel != cands and want_sel  # a candidate sits among the rejected tokens
+        call = {"ratio": 1.0, "clip_low": lo, "clip_high": hi}
+    else:
+        want_sel, call = set(), {"clip_low": lo, "clip_high": hi}
+    x = lp.clone().requires_grad_(True)
+    out = {"ppo": ppo_loss, "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss}[name](
+        x, old, adv, mask, is_weights=weights, **call
+    )
+    if name != "ppo":
+        assert {tuple(s) for s in out.selected.nonzero().tolist()} == want_sel
+    out.loss.backward()
+    total = 0.0
+    for b, t in toks:
+        w = float(weights[b, t])
+        value, slope = ref_token_and_slope(name, L[0][b][t], L[1][b][t], L[2][b][t], (b, t) in want_sel, lo, hi, 0.7)
+        total += value * w
+        assert x.grad[b, t].item() == pytest.approx(slope * w / len(toks), rel=1e-5, abs=1e-9), (b, t)
+    assert out.loss.item() == pytest.approx(total / len(toks), rel=1e-5)
+    assert torch.all(x.grad[mask == 0] == 0)
