@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import ray
@@ -65,6 +66,13 @@ def actor_env() -> dict[str, str]:
 def joins_cluster() -> bool:
     """True when this process runs as a Ray job or was pointed at a cluster (RAY_ADDRESS): init_ray joins it."""
     return bool(os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_JOB_ID"))
+
+
+def in_working_dir_copy(cwd: str) -> bool:
+    """Whether `cwd` is Ray's unpacked copy of a job's `--working-dir` (under the session's runtime_resources),
+    which Ray deletes with the session: what a run writes there by a relative path is lost."""
+    parts = Path(cwd).parts
+    return "runtime_resources" in parts and "working_dir_files" in parts
 
 
 def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:

@@ -161,6 +161,25 @@ def test_bad_input_exits_2_with_one_line_naming_it(case, model, tmp_path, capsys
     assert not (tmp_path / "out" / "wandb").exists()  # nothing was started
 
 
+def test_a_relative_output_dir_inside_a_jobs_working_dir_copy_is_refused(model, tmp_path, capsys, no_ray, monkeypatch):
+    """Under `ray job submit --working-dir .` the driver runs in Ray's unpacked copy, deleted with the session: a
+    relative output folder would put the checkpoints and the final model there. Elsewhere it is fine."""
+    copy = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    code, err = run(["--preset", "smoke", "--pretrain", model, "--train.output_dir", "outputs/run"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--train.output_dir 'outputs/run' is relative" in err and str(copy) in err and "absolute path" in err
+    assert not (copy / "outputs").exists()
+    # the same relative folder from a plain checkout passes this check (and stops at the next: a bad verifier)
+    plain = tmp_path / "checkout"
+    plain.mkdir()
+    monkeypatch.chdir(plain)
+    flags = ["--train.output_dir", "outputs/run", "--reward.verifier", "nope.py:f"]
+    code, err = run(["--preset", "smoke", "--pretrain", model, *flags], capsys)
+    assert code == 2 and "is relative" not in err and "nope.py" in err, err
+
+
 def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, capsys, no_ray):
     evaluate_main = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
     missing = tmp_path / "aime.jsonl"
