@@ -7,12 +7,16 @@ Spec forms (the `--reward.verifier` flag):
   path/to/file.py            an OpenRLHF reward file: it defines `reward_func(queries, prompts, labels, **kw)`
 
 A per-sample verifier is any callable `(response, label, *, prompt, metadata) -> float | dict`; a dict carries at
-least `reward`, optionally `acc`, `format_ok` and any extra fields. An OpenRLHF `reward_func` is called once per
-batch and returns `{"rewards", "scores", "extra_logs"}` (tensors or lists) or just the rewards.
+least `reward` (or verl's `score`), optionally `acc`, `format_ok` and any extra fields; one that also takes a
+`timeout_s` keyword gets --reward.timeout_s. A verl reward function, `compute_score(data_source, solution_str,
+ground_truth, extra_info)`, is told by its parameter names and called with them by keyword, as verl's reward managers
+call it. An OpenRLHF `reward_func` is called once per batch and returns `{"rewards", "scores", "extra_logs"}`
+(tensors or lists) or just the rewards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -31,6 +35,7 @@ BUILTINS = {
     "countdown": "rewards.examples.countdown:countdown_verifier",
 }
 OPENRLHF_FUNCTION = "reward_func"
+VERL_PARAMETERS = frozenset({"data_source", "solution_str", "ground_truth", "extra_info"})  # verl's compute_score
 _FORMS = f"a built-in name ({', '.join(BUILTINS)}), pkg.module:function, path/file.py:function"
 _FORMS += " or an OpenRLHF reward .py file"
 
@@ -49,6 +54,8 @@ class Verifier:
     spec: str
     fn: Callable[..., Any]
     batched: bool  # True for an OpenRLHF reward_func, called once per batch
+    verl: bool = False  # a verl compute_score(data_source, solution_str, ground_truth, extra_info), called by keyword
+    takes_timeout: bool = False  # it accepts timeout_s= (the built-in math verifier's symbolic deadline)
 
     def score(self, items: list[Item], timeout_s: float | None) -> list[dict[str, Any]]:
         """One result per item, in order: `reward`, `acc`, `format_ok`, `timed_out`, `error` (None or a message),
@@ -58,8 +65,15 @@ class Verifier:
             return self._score_batch(items, timeout_s)
         results = []
         for response, label, prompt, metadata in items:
+            if self.verl:  # verl's extra_info is the row's; here it also holds the row's other fields
+                args, kwargs = (), {"data_source": metadata.get("data_source", ""), "solution_str": response,
+                                    "ground_truth": label, "extra_info": metadata}  # fmt: skip
+            else:
+                args, kwargs = (response, label), {"prompt": prompt, "metadata": metadata}
+            if self.takes_timeout:
+                kwargs["timeout_s"] = timeout_s
             try:
-                out = call_with_deadline(self.fn, timeout_s, response, label, prompt=prompt, metadata=metadata)
+                out = call_with_deadline(self.fn, timeout_s, *args, **kwargs)
                 results.append(_per_sample_result(out))
             except CheckTimeout:
                 results.append(failed_result(timed_out=True))
@@ -80,6 +94,18 @@ class Verifier:
             return [failed_result(timed_out=True) for _ in range(n)]
         except (Exception, SystemExit) as e:  # noqa: BLE001
             return [failed_result(error=f"{type(e).__name__}: {e}") for _ in range(n)]
+
+
+def probe(verifier: Verifier, item: Item, timeout_s: float | None) -> str | None:
+    """What goes wrong when `verifier` scores `item` (one real row, its label given as the response), or None. The
+    item is scored twice in one call, so that an OpenRLHF file's batch is checked too. Only a failure counts: the
+    reward itself says nothing here. A verifier that fails on this fails on every sample of a run."""
+    for result in verifier.score([item, item], timeout_s):
+        if result["error"]:
+            return result["error"]
+        if result["timed_out"]:
+            return f"no result within --reward.timeout_s {timeout_s:g}"
+    return None
 
 
 def failed_result(*, error: str | None = None, timed_out: bool = False) -> dict[str, Any]:
@@ -114,10 +140,11 @@ def _plain(value: Any) -> Any:
 
 def _per_sample_result(out: Any) -> dict[str, Any]:
     if isinstance(out, dict):
-        if "reward" not in out:
-            raise ValueError(f"the verifier returned a dict without 'reward' (keys: {sorted(out)})")
-        reward = _reward_value(out["reward"])
-        info = {k: _plain(v) for k, v in out.items() if k not in ("reward", "acc", "format_ok", "timed_out", "error")}
+        key = "reward" if "reward" in out else "score"  # verl's reward functions name it score
+        if key not in out:
+            raise ValueError(f"the verifier returned a dict without 'reward' or 'score' (keys: {sorted(out)})")
+        reward = _reward_value(out[key])
+        info = {k: _plain(v) for k, v in out.items() if k not in (key, "acc", "format_ok", "timed_out", "error")}
         return {
             "reward": reward,
             "acc": bool(out.get("acc", reward >= 1.0)),
@@ -176,8 +203,7 @@ def load_verifier(spec: str) -> Verifier:
     if not spec:
         raise VerifierLoadError(f"empty verifier spec: expected {_FORMS}")
     if spec in BUILTINS:
-        loaded = load_verifier(BUILTINS[spec])
-        return Verifier(spec=spec, fn=loaded.fn, batched=False)
+        return dataclasses.replace(load_verifier(BUILTINS[spec]), spec=spec)
     if spec.endswith(".py"):
         path = _resolve_file(spec, spec)
         module = _import_file(path, spec)
@@ -199,7 +225,7 @@ def load_verifier(spec: str) -> Verifier:
     else:
         try:
             module = importlib.import_module(target)
-        except Exception as e:  # noqa: BLE001 - any failure inside the user's module
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure inside the user's module
             message = f"verifier {spec!r}: importing module {target!r} failed: {type(e).__name__}: {e}"
             raise VerifierLoadError(message) from e
         where, normalised = f"module {target!r}", spec
@@ -250,8 +276,28 @@ def _checked(normalised: str, fn: Any, name: str, spec: str, *, batched: bool) -
             raise VerifierLoadError(
                 f"verifier {spec!r}: {name}{inspect.signature(fn)} must accept (queries, prompts, labels)"
             )
-    elif not _accepts(fn, "response", "label", prompt="", metadata={}):
+        return Verifier(spec=normalised, fn=fn, batched=True)
+    if _parameter_names(fn) >= VERL_PARAMETERS - {"extra_info"}:
+        if not _accepts(fn, data_source="", solution_str="", ground_truth="", extra_info={}):
+            raise VerifierLoadError(
+                f"verifier {spec!r}: {name}{inspect.signature(fn)} looks like a verl reward function but does not "
+                "accept (data_source, solution_str, ground_truth, extra_info) by keyword"
+            )
+        return Verifier(spec=normalised, fn=fn, batched=False, verl=True, takes_timeout=_takes_timeout(fn))
+    if not _accepts(fn, "response", "label", prompt="", metadata={}):
         raise VerifierLoadError(
-            f"verifier {spec!r}: {name}{inspect.signature(fn)} must accept (response, label, *, prompt, metadata)"
+            f"verifier {spec!r}: {name}{inspect.signature(fn)} must accept (response, label, *, prompt, metadata), "
+            "or be a verl compute_score(data_source, solution_str, ground_truth, extra_info)"
         )
-    return Verifier(spec=normalised, fn=fn, batched=batched)
+    return Verifier(spec=normalised, fn=fn, batched=False, takes_timeout=_takes_timeout(fn))
+
+
+def _parameter_names(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except ValueError:  # builtins without a signature
+        return set()
+
+
+def _takes_timeout(fn: Callable) -> bool:
+    return "timeout_s" in _parameter_names(fn)

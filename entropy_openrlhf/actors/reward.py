@@ -61,11 +61,13 @@ class VerifierWorker:
 
 def verifier_items(samples: list[Sample]) -> list[tuple[str, str, str, dict[str, Any]]]:
     """What a verifier is called with for each sample: (response, label, prompt, metadata), the metadata being the
-    dataset row's other fields plus the response's token count and the engine's finish reason ("stop" or "length":
-    cut at --rollout.max_new_tokens), so a verifier can judge length itself (docs/guides/verifiers.md)."""
+    dataset row's other fields (its `data_source` included) plus the response's token count and the engine's finish
+    reason ("stop" or "length": cut at --rollout.max_new_tokens), so a verifier can judge length itself
+    (docs/guides/verifiers.md)."""
     return [
-        (s.response, s.label, s.prompt,
-         {**s.metadata, "response_tokens": len(s.response_token_ids), "finish_reason": s.finish_reason})
+        (s.response, s.label, s.prompt, {**s.metadata, "data_source": s.data_source,
+                                         "response_tokens": len(s.response_token_ids),
+                                         "finish_reason": s.finish_reason})
         for s in samples
     ]  # fmt: skip
 

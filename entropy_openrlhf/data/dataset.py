@@ -113,7 +113,7 @@ def _rows(path: str) -> Iterator[tuple[str, Any]]:
 def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as f:
         data = f.read()
-    if data.lstrip()[:1] == b"[":  # a .json file holding one array of rows
+    if data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # a .json file holding one array of rows (a BOM first)
         try:
             rows = json.loads(data.decode("utf-8-sig"))
         except UnicodeDecodeError as e:

@@ -34,7 +34,8 @@ from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint, resume_poin
 from entropy_openrlhf.pipeline.faults import NodeLostError
 from entropy_openrlhf.pipeline.tracking import Tracker, summarize
 from entropy_openrlhf.pipeline.trainer import Trainer
-from rewards import VerifierLoadError, load_verifier
+from entropy_openrlhf.samples import PromptItem
+from rewards import Verifier, VerifierLoadError, load_verifier, probe
 
 T = TypeVar("T")
 
@@ -87,7 +88,7 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
     `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys.
     `shared_model`: write a built-in model where every node of a multi-node cluster can read it."""
     validate(cfg)
-    load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
+    verifier = load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
     try:  # the built-in model and task, the W&B run and the checkpoints go there
         Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -126,7 +127,24 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
         items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)
         check_prompt_lengths(path, items, tokenizer, cfg)
         test_items += items
+    probe_verifier(verifier, cfg, train_path if train_items else ", ".join(test_paths), (train_items or test_items)[:1])
     return model_path, train_items, test_items
+
+
+def probe_verifier(verifier: Verifier, cfg: Config, path: str, first: list[PromptItem]) -> None:
+    """A verifier that cannot score the first row (given its own label as the response) would score 0 on every
+    sample of the run: a wrong signature's KeyError, a dict without its reward, an OpenRLHF file's short list. It
+    fails now, naming the row and the error, before any actor starts."""
+    if not first:
+        return
+    item = first[0]
+    metadata = {**item.metadata, "data_source": item.data_source, "response_tokens": 1, "finish_reason": "stop"}
+    problem = probe(verifier, (str(item.label), item.label, item.prompt, metadata), cfg.reward.timeout_s)
+    if problem:
+        raise VerifierLoadError(
+            f"verifier {cfg.reward.verifier!r} fails on {path} row {item.index}, given its label as the response: "
+            f"{problem} (docs/guides/verifiers.md, 'Try a verifier')"
+        )
 
 
 def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None:

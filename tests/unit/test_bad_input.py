@@ -69,6 +69,8 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (tmp / run / "checkpoints" / "step2" / "trainer_state.json").write_text(state)
     broken = tmp / "broken_verifier.py"
     broken.write_text("import a_module_that_is_not_there\n\ndef verify(response, label, **kw):\n    return 1.0\n")
+    trl_style = tmp / "trl_reward.py"  # TRL's signature: binds to the per-sample call, fails on every sample
+    trl_style.write_text("def accuracy_reward(prompts, completions, **kwargs):\n    return kwargs['solution']\n")
     data = lambda name, rows: ["--data.train", jsonl(tmp / name, rows)]  # noqa: E731
     return [
         (["--data.train", str(tmp / "missing.jsonl")], [str(tmp / "missing.jsonl"), "no such file"]),
@@ -127,6 +129,10 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--algo.max_gen_batches", "0"], ["--algo.max_gen_batches", "0 must be >= 1"]),
         (["--ray.num_cpus", "-1"], ["--ray.num_cpus", "-1 must be >= 1"]),
         (["--logger.sample_table_every", "-1"], ["--logger.sample_table_every", "-1 must be >= 0"]),
+        (
+            ["--reward.verifier", f"{trl_style}:accuracy_reward"],
+            ["trl_reward.py:accuracy_reward", "fails on", "row 0", "given its label as the response", "'solution'"],
+        ),
     ]
 
 
@@ -140,6 +146,7 @@ CASE_IDS = [
     "infinite-temperature", "negative-max-samples", "negative-eval-max-samples", "output-dir-is-a-file",
     "model-without-tokenizer", "test-keys-without-train", "list-label", "torn-checkpoint",
     "fresh-run-over-checkpoints", "no-generation-round", "negative-ray-cpus", "negative-table-interval",
+    "verifier-fails-on-every-row",
 ]  # fmt: skip
 
 

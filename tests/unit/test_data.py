@@ -224,7 +224,10 @@ def test_verl_schema_jsonl_json_parquet_and_saved_dataset(tmp_path, tiny_tokeniz
     saved_dict = tmp_path / "saved_dict"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(VERL_ROWS)}).save_to_disk(str(saved_dict))
 
-    for path in (jsonl, array, parquet, saved, saved_dict):
+    with_bom = tmp_path / "bom.json"  # a pretty-printed array saved by an editor that writes a byte-order mark
+    with_bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(VERL_ROWS, indent=2).encode())
+
+    for path in (jsonl, array, with_bom, parquet, saved, saved_dict):
         assert validate_dataset(str(path), label_key="reward_model.ground_truth") == 2
         _check_verl_items(load_prompts(str(path), **kw), tiny_tokenizer)
 

@@ -32,9 +32,10 @@ def test_off_and_bad_buffers():
         overlong_penalty(10, 128, 200, 1.0)
 
 
-def test_a_verifier_is_told_the_response_length_and_why_it_ended():
-    cut = Sample(3, "p", [1], "12 + 5 = 1", [9, 9, 9], [0.0] * 3, "17", 0, finish_reason="length", metadata={"k": 1})
+def test_a_verifier_is_told_the_response_length_why_it_ended_and_its_data_source():
+    cut = Sample(3, "p", [1], "12 + 5 = 1", [9, 9, 9], [0.0] * 3, "17", 0, finish_reason="length", metadata={"k": 1},
+                 data_source="gsm8k")  # fmt: skip
     ((response, label, prompt, metadata),) = verifier_items([cut])
     assert (response, label, prompt) == ("12 + 5 = 1", "17", "p")
-    assert metadata == {"k": 1, "response_tokens": 3, "finish_reason": "length"}
+    assert metadata == {"k": 1, "data_source": "gsm8k", "response_tokens": 3, "finish_reason": "length"}
     assert cut.metadata == {"k": 1}  # the sample's own metadata is not changed

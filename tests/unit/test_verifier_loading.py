@@ -200,7 +200,10 @@ def test_float_and_dict_results():
     "fn, message",
     [
         (lambda response, label, **kw: 1 / 0, "ZeroDivisionError: division by zero"),
-        (lambda response, label, **kw: {"score": 1.0}, "ValueError: the verifier returned a dict without 'reward'"),
+        (
+            lambda response, label, **kw: {"value": 1.0},
+            "ValueError: the verifier returned a dict without 'reward' or 'score'",
+        ),
         (lambda response, label, **kw: math.nan, "ValueError: reward is nan"),
         (lambda response, label, **kw: "1.0", "TypeError: the verifier returned str"),
     ],
@@ -262,3 +265,73 @@ def test_openrlhf_failures_cover_the_batch(tmp_path):
     assert [r["error"] for r in results] == ["ValueError: reward_func returned 1 rewards for a batch of 2"] * 2
     v.fn = lambda queries, prompts, labels: {"scores": [1.0, 1.0]}
     assert "without 'rewards'" in v.score([item("a"), item("b")], timeout_s=5)[0]["error"]
+
+
+# ---------------------------------------------------------------------------------------------------- verl's form
+
+VERL = textwrap.dedent(
+    """
+    CALLS = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        CALLS.append((data_source, solution_str, ground_truth, extra_info))
+        ok = solution_str.strip() == ground_truth
+        return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": solution_str.strip()}
+
+    def plain_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.5
+
+    def no_extra_info(data_source, solution_str, ground_truth):
+        return 1.0
+    """
+)
+
+
+def test_a_verl_compute_score_is_called_by_keyword_with_the_row_and_its_score_is_the_reward(tmp_path):
+    path = write(tmp_path, "verl_reward.py", VERL)
+    v = load_verifier(f"{path}:compute_score")
+    assert v.verl is True and v.batched is False
+    meta = {"data_source": "openai/gsm8k", "index": 7}
+    right, wrong = v.score([item("42", "42", "Q?", meta), item("41", "42", "Q?", meta)], 5.0)
+    assert (right["reward"], right["acc"], right["info"]["pred"], right["error"]) == (1.0, True, "42", None)
+    assert (wrong["reward"], wrong["acc"]) == (-1.0, False)  # verl's -1 for a wrong answer stays -1
+    import sys
+
+    calls = next(m for name, m in sys.modules.items() if name.startswith("_verifier_verl_reward")).CALLS
+    assert calls[0] == ("openai/gsm8k", "42", "42", meta)  # extra_info: the row's other fields
+    [r] = load_verifier(f"{path}:plain_score").score([item("x", "y")], 5.0)
+    assert r["reward"] == 0.5 and r["acc"] is False
+    with pytest.raises(VerifierLoadError, match="looks like a verl reward function but does not accept"):
+        load_verifier(f"{path}:no_extra_info")
+
+
+def test_a_verifier_taking_timeout_s_gets_the_runs_deadline(tmp_path):
+    path = write(tmp_path, "timed.py", "def f(response, label, *, prompt='', metadata=None, timeout_s=5.0):\n"
+                                        "    return {'reward': 1.0, 'deadline': timeout_s}\n")  # fmt: skip
+    [r] = load_verifier(f"{path}:f").score([item("x")], 12.5)
+    assert r["info"]["deadline"] == 12.5
+    assert load_verifier("math").takes_timeout is True  # its symbolic tests take --reward.timeout_s
+    assert load_verifier(f"{write(tmp_path, 'p.py', PER_SAMPLE)}:exact").takes_timeout is False
+
+
+def test_system_exit_while_importing_a_module_names_the_verifier(tmp_path, monkeypatch):
+    (tmp_path / "exits_on_import.py").write_text("raise SystemExit('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(VerifierLoadError, match="importing module 'exits_on_import' failed: SystemExit: no GPU here"):
+        load_verifier("exits_on_import:f")
+
+
+def test_probe_reports_a_verifier_that_fails_on_a_real_row_and_passes_a_sound_one(tmp_path):
+    from rewards import probe
+
+    trl_source = "def accuracy_reward(prompts, completions, **kwargs):\n    return [0.0 for _ in kwargs['solution']]\n"
+    trl = write(tmp_path, "trl_style.py", trl_source)
+    short = write(tmp_path, "short.py", "def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    row = ("4", "4", "What is 2 + 2?", {"data_source": "", "response_tokens": 1, "finish_reason": "stop"})
+    # a TRL reward function binds to the per-sample call (prompts<-response, completions<-label) and then fails
+    assert probe(load_verifier(f"{trl}:accuracy_reward"), row, 5.0) == "KeyError: 'solution'"
+    assert probe(load_verifier(str(short)), row, 5.0) == "ValueError: reward_func returned 1 rewards for a batch of 2"
+    assert probe(load_verifier("math"), row, 5.0) is None
+    assert probe(load_verifier(f"{write(tmp_path, 'p.py', PER_SAMPLE)}:exact"), row, 5.0) is None
+    hang = write(tmp_path, "hang.py", "import time\n\ndef f(response, label, **kw):\n    time.sleep(30)\n")
+    assert probe(load_verifier(f"{hang}:f"), row, 0.2) == "no result within --reward.timeout_s 0.2"
