@@ -75,38 +75,51 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
-def build_parser(description: str = "") -> argparse.ArgumentParser:
+def build_parser(description: str = "", shown: Config | None = None) -> argparse.ArgumentParser:
+    """One flag per leaf of `Config`, typed by its dataclass default and grouped by section. `shown`: the config
+    whose values `--help` gives in brackets, the pipeline's and the preset's defaults applied (from_args builds it);
+    None shows the dataclass defaults."""
     p = _Parser(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
+        usage="%(prog)s [--preset NAME] [--<section>.<field> VALUE ...]",  # all ~150 flags would fill a screen
     )
+    values = {key: value for key, _, value in _fields(shown)} if shown is not None else {}
+    groups = {"": p.add_argument_group("the run")}  # --preset first: it sets the values shown below
     for key, f, default in _fields(Config()):
+        section = key.split(".")[0] if "." in key else ""
+        if section not in groups:
+            groups[section] = p.add_argument_group(f"--{section}.*")
         flags = [f"--{key}"] + (["--pretrain"] if key == "model.pretrain" else [])
-        shown = ",".join(str(x) for x in default) if isinstance(default, list) else default
-        shown = json.dumps(shown) if isinstance(shown, dict) else shown
-        p.add_argument(
+        value = values.get(key, default)
+        shown_value = ",".join(str(x) for x in value) if isinstance(value, list) else value
+        shown_value = json.dumps(shown_value) if isinstance(shown_value, dict) else shown_value
+        groups[section].add_argument(
             *flags,
             dest=key,
             type=_converter(default),
             default=None,
             metavar={bool: "BOOL", int: "INT", float: "FLOAT", list: "A,B", dict: "JSON"}.get(type(default), "STR"),
-            help=f"{f.metadata['help']} [{shown}]".replace("%", "%%"),
+            help=f"{f.metadata['help']} [{shown_value}]".replace("%", "%%"),
         )
     return p
 
 
 def from_args(argv: list[str] | None, defaults: dict[str, Any] | None = None, description: str = "") -> Config:
-    """Config = dataclass defaults, then the pipeline's `defaults`, then `--preset`, then explicit flags."""
-    parser = build_parser(description)
-    args = parser.parse_args(argv)
+    """Config = dataclass defaults, then the pipeline's `defaults`, then `--preset`, then explicit flags. `--help`
+    shows the values before the explicit flags: what this pipeline with this preset runs."""
     cfg = Config()
     for key, value in (defaults or {}).items():
         set_by_path(cfg, key, value)
-    preset = args.preset or cfg.preset
+    # the preset is read first (alone), so that the full parser's --help can show its values
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--preset", default=None)
+    preset = early.parse_known_args(argv)[0].preset or cfg.preset
     if preset:
         apply_preset(cfg, preset)
         cfg.preset = preset
+    args = build_parser(description, shown=cfg).parse_args(argv)
     for key, value in vars(args).items():
         if value is not None:
             set_by_path(cfg, key, value)

@@ -127,6 +127,32 @@ def test_help_lists_every_field():
         assert f"--{key}" in text
 
 
+def help_of(argv: list[str], pipeline: str) -> str:
+    """What `pipelines/<pipeline>.py <argv> --help` prints."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stopped:
+        from_args([*argv, "--help"], PIPELINES[pipeline])
+    assert stopped.value.code == 0
+    return " ".join(out.getvalue().split())  # argparse wraps lines: compare the words
+
+
+def test_help_shows_the_pipelines_and_the_presets_values_in_sections():
+    clip_cov = help_of([], "clip_cov")
+    assert "--loss.type STR the policy objective" in clip_cov and "(docs/algorithms/losses.md) [clip_cov]" in clip_cov
+    assert "clip: ppo, clip_cov, high_entropy [1.0]" in clip_cov  # the pipeline's clip, not the dataclass's 0.2
+    seven = help_of(["--preset", "qwen2.5-7b-dapo"], "kl_cov")
+    assert "--rollout.batch_size INT prompts per RL step [256]" in seven
+    assert "qwen2.5-32b-dapo [qwen2.5-7b-dapo]" in seven and "(docs/algorithms/losses.md) [kl_cov]" in seven
+    # a short usage line, then the run's own flag, then one group per section
+    assert seven.startswith("usage: ") and seven.index("the run: --preset") < seven.index("--model.*: --model.pretrain")
+    assert seven.index("--model.*:") < seven.index("--loss.*:") and "[--actor.lr FLOAT]" not in seven
+    # the shown values are the defaults before the flags: parsing is unchanged
+    assert from_args(["--preset", "qwen2.5-7b-dapo", "--rollout.batch_size", "3"]).rollout.batch_size == 3
+
+
 def test_flatten_is_flat_and_complete():
     flat = Config().flatten()
     assert flat["loss.kl_cov.coef"] == 1.0 and flat["async.max_staleness"] == 1
