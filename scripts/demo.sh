@@ -11,8 +11,8 @@ trap 'bash scripts/ray_head.sh stop "$TMP"' EXIT
 .venv/bin/python -c "from entropy_openrlhf.models.smollm2 import ensure_smollm2; print('model:', ensure_smollm2())"
 bash scripts/ray_head.sh start "$TMP" "$DASH_PORT" "${DEMO_GCS_PORT:-6390}"
 
-# Short: 6 steps of 4 prompts x 4 samples (about 2 minutes a step on 2 cores; prompts are ~360 tokens with their
-# worked examples). Flags given to `make demo ARGS=...` come later and win.
+# Short: 6 steps of 4 prompts x 4 samples (README: about 5 minutes on a quiet 2-vCPU machine; prompts are ~360
+# tokens with their worked examples). Flags given to `make demo ARGS=...` come later and win.
 DEMO_FLAGS=(--rollout.batch_size 4 --train.num_steps 6)
 
 start=$(date +%s)

@@ -117,13 +117,18 @@ lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
 batch = TokenBatch(lp, lp.detach(), torch.tensor([[2.0, 2.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
 out = get_objective("reinforce").loss(batch, cfg.loss.reinforce, LossContext())
 out.loss.backward()
+weighted = TokenBatch(lp, lp.detach(), batch.advantages, batch.mask, is_weights=torch.tensor([[0.5, 0.0, 9.0]]))
+print(float(get_objective("reinforce").loss(weighted, cfg.loss.reinforce, LossContext()).loss))
 print(float(out.loss), lp.grad.tolist())
 """
     run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    loss, grad = run.stdout.strip().rsplit("\n", 1)[-1].split(" ", 1)
+    *_, with_weights, last = run.stdout.strip().split("\n")
+    loss, grad = last.split(" ", 1)
     # -0.5 * 2 * (-1 - 2) / 2 tokens = 1.5; d/dlp = -0.5 * 2 / 2 on the valid tokens, 0 on padding
     assert float(loss) == pytest.approx(1.5)
+    # the off-policy weights multiply each token's loss (padding's weight never enters): -0.5 * 2 * -1 * 0.5 / 2
+    assert float(with_weights) == pytest.approx(0.25)
     assert [abs(g) for g in json.loads(grad)[0]] == [0.5, 0.5, 0.0] and json.loads(grad)[0][0] < 0
 
 

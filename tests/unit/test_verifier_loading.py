@@ -335,3 +335,18 @@ def test_probe_reports_a_verifier_that_fails_on_a_real_row_and_passes_a_sound_on
     assert probe(load_verifier(f"{write(tmp_path, 'p.py', PER_SAMPLE)}:exact"), row, 5.0) is None
     hang = write(tmp_path, "hang.py", "import time\n\ndef f(response, label, **kw):\n    time.sleep(30)\n")
     assert probe(load_verifier(f"{hang}:f"), row, 0.2) == "no result within --reward.timeout_s 0.2"
+
+
+def test_the_example_openrlhf_math_file_scores_as_the_math_verifier_does():
+    from pathlib import Path
+
+    from rewards.math import math_verifier
+
+    path = Path(__file__).parents[2] / "rewards" / "examples" / "openrlhf_math.py"
+    v = load_verifier(str(path))
+    assert v.batched is True
+    prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    responses = ["So \\boxed{4}.<|im_end|>", "It is \\boxed{5}.", "no answer at all"]
+    results = v.score([(r, "4", prompt, {}) for r in responses], 5.0)
+    assert [r["reward"] for r in results] == [math_verifier(r, "4")["reward"] for r in responses] == [1.0, 0.0, 0.0]
+    assert [r["logs"]["format_ok"] for r in results] == [1.0, 1.0, 0.0] and results[0]["acc"] is True
