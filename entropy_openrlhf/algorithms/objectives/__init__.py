@@ -3,8 +3,8 @@
 A file holds an objective's math (its plain loss and selector functions over (B, L) tensors, built from
 algorithms/loss_terms.py) and registers it with `@register_objective(name, Config, select=..., knobs=...)` over a
 loss function `(TokenBatch, Config, LossContext) -> LossOutput`; every module here but base.py is imported below, so
-a new file is all a new objective needs (docs/guides/extending.md, "Add an objective"). `run_objective` is how the trainer and the
-OpenRLHF adapter call one. `--loss.type NAME` picks one; its config's fields are the
+a new file is all a new objective needs (docs/guides/extending.md, "Add an objective"). `run_objective` is how the
+trainer and the OpenRLHF adapter call one. `--loss.type NAME` picks one; its config's fields are the
 `--loss.NAME.FIELD` flags.
 """
 
