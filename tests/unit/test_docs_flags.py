@@ -37,13 +37,21 @@ def our_flags() -> set[str]:
 
 
 def unknown_flags(text: str, known: set[str]) -> list[tuple[int, str]]:
-    """(line number, flag) for each dotted flag outside OpenRLHF/verl lines and sections that `known` lacks."""
-    found, foreign_section = [], False
+    """(line number, flag) for each dotted flag outside OpenRLHF/verl lines and sections that `known` lacks. In a
+    table whose header names OpenRLHF or verl (a mapping of their settings to ours), only the last column is ours."""
+    found, foreign_section, mapping_table = [], False, False
     for number, line in enumerate(text.splitlines(), 1):
         lower = line.lower()
         if line.startswith("#"):
             foreign_section = any(name in lower for name in FOREIGN)
-        if foreign_section or any(name in lower for name in FOREIGN):
+        is_row = line.startswith("|")
+        if is_row and not mapping_table and any(name in lower for name in FOREIGN):
+            mapping_table = True  # the header row
+            continue
+        mapping_table = mapping_table and is_row
+        if mapping_table:
+            line = line.rstrip().rstrip("|").rsplit("|", 1)[-1]
+        elif foreign_section or any(name in lower for name in FOREIGN):
             continue
         found += [(number, flag) for flag in FLAG.findall(line) if flag not in known and flag not in NOT_OURS]
     return found
@@ -91,7 +99,15 @@ def test_the_checks_see_a_flag_that_does_not_exist():
         "`--trainer.total_epochs` is verl's.\n"
         "## Back to ours\n"
         "`--train.num_stepz 5`\n"
+        "| verl | OpenRLHF | here |\n"
+        "|---|---|---|\n"
+        "| `actor.optim.lr` | `--actor.adam.lr` | `--actor.lr` |\n"
+        "| `ppo_epochs` | `--train.max_epochs` | `--train.ppo_epoch` |\n"
+        "\n"
+        "| `--train.max_epochs` in a table of ours |\n"
     )
-    assert unknown_flags(page, known) == [(1, "--actor.learning_rate"), (6, "--train.num_stepz")]
+    assert unknown_flags(page, known) == [
+        (1, "--actor.learning_rate"), (6, "--train.num_stepz"), (10, "--train.ppo_epoch"), (12, "--train.max_epochs")
+    ]  # fmt: skip
     route = "--objective kl_cov --objective.ratio 2e-3 --objective.gamma 1 --objective.high_entropy.top_fraction 0.1"
     assert route_objective_flags_unknown(route, known) == ["--objective.gamma", "--objective.high_entropy.top_fraction"]
