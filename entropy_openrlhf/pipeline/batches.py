@@ -56,6 +56,21 @@ def mixed_sources(samples: list[Sample]) -> bool:
     return len({s.data_source for s in samples}) > 1
 
 
+def sample_metrics(samples: list[Sample], step: int) -> dict[str, float]:
+    """What the step's training samples were: how far behind the trainer's weights (the trainer is at `step`)
+    their policy was, their length and truncation, their count, and the version the step publishes."""
+    staleness = [step - s.policy_version for s in samples]
+    lengths = [len(s.response_token_ids) for s in samples]
+    return {
+        "async/staleness_mean": sum(staleness) / len(staleness),
+        "async/staleness_max": float(max(staleness)),
+        "rollout/response_len": sum(lengths) / len(lengths),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/samples": float(len(samples)),
+        "policy/version": float(step + 1),
+    }
+
+
 def source_metrics(samples: list[Sample]) -> dict[str, float]:
     """`reward/<source>/acc`, `reward/<source>/mean` and `rollout/<source>/response_len` over the step's training
     samples of each data source ("default" for none); {} when they share one source (docs/guides/metrics.md)."""

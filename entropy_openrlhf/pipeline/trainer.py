@@ -37,6 +37,7 @@ from entropy_openrlhf.pipeline.batches import (
     group_rewards,
     merge_reward_metrics,
     mixed_sources,
+    sample_metrics,
     source_metrics,
 )
 from entropy_openrlhf.pipeline.checkpoints import Checkpointing
@@ -306,6 +307,47 @@ class Trainer(Checkpointing, NodeLossHandling):
                         f"the rollout producer ended without handing over the batch for step {step}"
                     ) from None
 
+    def _evaluate_final(self, producer: threading.Thread) -> None:
+        """After the last training step: the final weights' evaluation, once the producer is done (it has nothing
+        left to generate, and its last evaluation is queued), logged with this step."""
+        producer.join(timeout=60)
+        if producer.is_alive():
+            print("[entropy-openrlhf] the rollout producer did not end within 60 s of the last step: the final "
+                  "weights are not evaluated", flush=True)  # fmt: skip
+        else:
+            self._maybe_evaluate(final=True)
+
+    def _check_step(self, step: int, train_metrics: dict[str, float]) -> None:
+        """What a step's training says about the run: the objective's selection starved for STARVED_STEPS steps in
+        a row (a hint, printed once per run), or optimizer steps skipped for a non-finite loss for
+        --train.max_nonfinite_steps steps in a row (the run stops)."""
+        starved = train_metrics.get("loss/select_starved") == 1.0
+        self._starved_run = self._starved_run + 1 if starved else 0
+        if self._starved_run == STARVED_STEPS and not self.starvation_said:
+            note = starvation_note(self.cfg, train_metrics)
+            if note:
+                print(note, flush=True)
+            self.starvation_said = True
+        skipped = train_metrics.get("train/skipped_steps", 0) > 0
+        self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
+        if self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self._nonfinite_run} consecutive RL steps had optimizer steps skipped for a non-finite loss or "
+                f"gradient; stopping at step {step} (--train.max_nonfinite_steps). Lower --actor.lr or check the "
+                "rewards and the model dtype."
+            )
+
+    def _log_step(self, tracker, step: int, metrics: dict, evaluations: list[dict], flat: list[Sample]) -> None:
+        """The step's row in W&B (and metrics.jsonl); an older evaluation finished in the same step gets a row of
+        its own first (rare: two evaluations within one training step); the sample table every
+        --logger.sample_table_every steps."""
+        for older in evaluations:
+            tracker.log(older, step=step)
+        tracker.log(metrics, step=step)
+        every = self.cfg.logger.sample_table_every
+        if every and step % every == 0:
+            tracker.log_samples(flat, step)
+
     def run(self, tracker=None, start_step: int = 0) -> list[dict[str, float]]:
         cfg = self.cfg
         self.start_step = self.latest_version = start_step
@@ -320,7 +362,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             watch = NodeWatch(node_ids, on_lost=self._on_node_lost).start()
         self._in_loop, self._on_main_thread = True, threading.current_thread() is threading.main_thread()
         history: list[dict[str, float]] = []
-        nonfinite_run = starved_run = 0
+        self._starved_run = self._nonfinite_run = 0  # consecutive steps, for _check_step
         ended = False
         bar = tqdm(range(start_step, cfg.train.num_steps), desc="RL steps", dynamic_ncols=True)
         try:
@@ -340,22 +382,14 @@ class Trainer(Checkpointing, NodeLossHandling):
                 )  # fmt: skip
                 t_train = time.time() - t0
                 export_s = self.publish_weights(step + 1)
-                metrics = {**batch.metrics, **train_metrics, **source_metrics(flat)}
-                staleness = [step - s.policy_version for s in flat]
-                lengths = [len(s.response_token_ids) for s in flat]
+                metrics = {**batch.metrics, **train_metrics, **source_metrics(flat), **sample_metrics(flat, step)}
                 metrics.update(
                     {
                         "time/wait_for_rollout": waited,
                         "time/train": t_train,
                         "time/export_weights": export_s,
                         "time/step": time.time() - t_step,
-                        "async/staleness_mean": sum(staleness) / len(staleness),
-                        "async/staleness_max": float(max(staleness)),
-                        "rollout/response_len": sum(lengths) / len(lengths),
-                        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in flat) / len(flat),
-                        "rollout/samples": float(len(flat)),
                         "throughput/samples_per_s": len(flat) / max(time.time() - t_step, 1e-9),
-                        "policy/version": float(step + 1),
                     }
                 )
                 metrics.update(self.sync.metrics)  # a sync on this thread measured itself (collective)
@@ -363,39 +397,14 @@ class Trainer(Checkpointing, NodeLossHandling):
                     self.entropy_ctl.observe(train_metrics)  # a KeyError if the entropy it reads is missing
                     metrics.update(self.entropy_ctl.metrics())
                 if step == cfg.train.num_steps - 1:
-                    producer.join(timeout=60)  # it has nothing left to generate; its last evaluation is queued
-                    if producer.is_alive():
-                        print("[entropy-openrlhf] the rollout producer did not end within 60 s of the last step: "
-                              "the final weights are not evaluated", flush=True)  # fmt: skip
-                    else:
-                        self._maybe_evaluate(final=True)  # logged with this last step
+                    self._evaluate_final(producer)
                 evaluations = self._take_evaluations()
                 if evaluations:  # the newest in this step's row; any older one in a row of its own at the same step
                     metrics.update(evaluations.pop())
-                starved_run = starved_run + 1 if train_metrics.get("loss/select_starved") == 1.0 else 0
-                if starved_run == STARVED_STEPS and not self.starvation_said:  # once per run: a hint, not a log line
-                    note = starvation_note(cfg, train_metrics)
-                    if note:
-                        print(note, flush=True)
-                    self.starvation_said = True
-                if train_metrics.get("train/skipped_steps", 0) > 0:
-                    nonfinite_run += 1
-                    if nonfinite_run >= cfg.train.max_nonfinite_steps:
-                        raise RuntimeError(
-                            f"{nonfinite_run} consecutive RL steps had optimizer steps skipped for a non-finite loss "
-                            f"or gradient; stopping at step {step} (--train.max_nonfinite_steps). "
-                            "Lower --actor.lr or check the rewards and the model dtype."
-                        )
-                else:
-                    nonfinite_run = 0
+                self._check_step(step, train_metrics)
                 history.append({"step": step, **metrics})
                 if tracker is not None:
-                    for older in evaluations:  # rare: two evaluations finished within one training step
-                        tracker.log(older, step=step)
-                    tracker.log(metrics, step=step)
-                    every = cfg.logger.sample_table_every
-                    if every and step % every == 0:
-                        tracker.log_samples(flat, step)
+                    self._log_step(tracker, step, metrics, evaluations, flat)
                 bar.set_postfix(
                     reward=f"{metrics.get('reward/mean', 0):.3f}",
                     entropy=f"{metrics.get('entropy/seq_mean', 0):.3f}",

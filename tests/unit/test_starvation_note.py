@@ -1,6 +1,8 @@
 """The note a run prints once when a covariance objective's selection barely acts (trainer.starvation_note): it
 names the numbers and only advice that could help, and says so when the steps had no signal at all."""
 
+import pytest
+
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.trainer import starvation_note
 from entropy_openrlhf.presets import PIPELINES
@@ -62,3 +64,35 @@ def test_steps_without_any_advantage_are_named_as_such_with_no_objective_advice(
         note = starvation_note(config(pipeline, *flags), SILENT)
         assert "all advantages were 0" in note and "--rollout.n_samples_per_prompt" in note, note
         assert "--preset" not in note and f"--loss.{pipeline}.ratio" not in note, note
+
+
+def bare_trainer(cfg):
+    """A Trainer without actors: what its step checks (`_check_step`) read."""
+    from entropy_openrlhf.pipeline.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.starvation_said = cfg, False
+    trainer._starved_run = trainer._nonfinite_run = 0
+    return trainer
+
+
+def test_the_run_says_it_once_after_three_starved_steps_in_a_row(capsys):
+    trainer = bare_trainer(config("kl_cov"))
+    starved = {**SPREAD, "loss/select_starved": 1.0}
+    for step, metrics in enumerate([starved, starved, {**SPREAD, "loss/select_starved": 0.0}, starved, starved]):
+        trainer._check_step(step, metrics)
+    assert capsys.readouterr().out == ""  # never three in a row yet
+    trainer._check_step(5, starved)
+    assert "floor(0.002 x ~80 tokens)) was one token" in capsys.readouterr().out
+    for step in range(6, 12):
+        trainer._check_step(step, starved)
+    assert capsys.readouterr().out == ""  # once per run
+
+
+def test_the_run_stops_after_max_nonfinite_steps_skipped_in_a_row():
+    trainer = bare_trainer(config("grpo", "--train.max_nonfinite_steps", "2"))
+    skipped, clean = {"train/skipped_steps": 1.0}, {"train/skipped_steps": 0.0}
+    for step, metrics in enumerate([skipped, clean, skipped]):
+        trainer._check_step(step, metrics)  # a clean step in between starts the count again
+    with pytest.raises(RuntimeError, match=r"^2 consecutive RL steps .* stopping at step 3 \(--train.max_nonfin"):
+        trainer._check_step(3, skipped)
