@@ -356,12 +356,11 @@ def select_globally(
         ctx = dataclasses.replace(base, cov_means=means, generator=generator)
         return select_tokens(lc.type, s.params, lc, tokens, ctx)
 
-    masks, cov_means, total, selection_metrics = pooled_selection(
-        pooled, select, with_entropy=s.needs_entropy, with_weights=with_weights
-    )
-    for k, v in selection_metrics.items():
+    chosen = pooled_selection(pooled, select, with_entropy=s.needs_entropy, with_weights=with_weights)
+    for k, v in chosen.metrics.items():
         s.add(k, v)
-    return dict(zip(idx, masks)), dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))
+    context = dataclasses.replace(base, cov_means=chosen.means, selected_total=float(chosen.total))
+    return dict(zip(idx, chosen.masks)), context
 
 
 def train_micro_batch(

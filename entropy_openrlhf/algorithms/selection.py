@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,15 @@ def _gather_rows(local: torch.Tensor, group=None) -> tuple[torch.Tensor, int]:
     return torch.cat([p[:, :c] for p, c in zip(parts, counts, strict=True)], dim=1).cpu(), offset
 
 
+class PooledSelection(NamedTuple):
+    """What `pooled_selection` returns."""
+
+    masks: list[torch.Tensor]  # one per micro-batch, of its shape
+    means: tuple[float, float]  # pooled (advantage mean, log-prob mean): the losses' `cov_means=`, the same centring
+    total: int  # tokens selected on all ranks
+    metrics: dict[str, float]  # the selector's
+
+
 def pooled_selection(
     micro_batches: Sequence[MicroBatch | TokenBatch],
     select: Callable[[TokenBatch, tuple[float, float]], tuple[torch.Tensor, dict[str, float]]],
@@ -70,15 +79,13 @@ def pooled_selection(
     with_entropy: bool = False,
     with_weights: bool = False,
     group=None,
-) -> tuple[list[torch.Tensor], tuple[float, float], int, dict[str, float]]:
+) -> PooledSelection:
     """Run `select` once over all valid tokens of `micro_batches` on all ranks of `group`.
 
     `select(pooled, means)` gets every valid token as a (1, N) TokenBatch (entropy included when `with_entropy`,
     the off-policy weights when `with_weights`: a micro-batch without them weighs 1) and the pooled (advantage
     mean, log-prob mean); it returns a (1, N) bool mask and metrics. Every rank must pass the same flags, since
-    they set how many rows are gathered. Returns one mask per micro-batch (its shape), the means (the losses take
-    them as `cov_means=` so their covariance metrics use the same centring), the number of tokens selected on all
-    ranks, and the metrics.
+    they set how many rows are gathered.
     """
     valids = [mb.mask.bool() for mb in micro_batches]
     pairs = list(zip(micro_batches, valids, strict=True))
@@ -95,12 +102,11 @@ def pooled_selection(
     local = torch.stack([torch.cat([row(mb, name)[v.cpu()] for mb, v in pairs]) for name in names])
     n_local = local.shape[1]
     everything, offset = _gather_rows(local, group)
-    rows = [everything[i : i + 1] for i in range(len(names))]
-    n = rows[0].numel()
-    means = (float(rows[2].mean()), float(rows[0].mean())) if n else (0.0, 0.0)
-    pooled = TokenBatch(rows[0], rows[1], rows[2], torch.ones_like(rows[0], dtype=torch.bool),
-                        entropy=rows[3] if with_entropy else None,
-                        is_weights=rows[-1] if with_weights else None)  # fmt: skip
+    rows = {name: everything[i : i + 1] for i, name in enumerate(names)}
+    lp, adv = rows["log_probs"], rows["advantages"]
+    means = (float(adv.mean()), float(lp.mean())) if lp.numel() else (0.0, 0.0)
+    pooled = TokenBatch(lp, rows["old_log_probs"], adv, torch.ones_like(lp, dtype=torch.bool),
+                        entropy=rows.get("entropy"), is_weights=rows.get("is_weights"))  # fmt: skip
     chosen, metrics = select(pooled, means)
 
     mine = chosen.view(-1)[offset : offset + n_local]
@@ -111,7 +117,7 @@ def pooled_selection(
         sel[v.cpu()] = mine[start : start + count]
         masks.append(sel.to(mb.mask.device))
         start += count
-    return masks, means, int(chosen.sum()), metrics
+    return PooledSelection(masks, means, int(chosen.sum()), metrics)
 
 
 def global_selection(
@@ -145,5 +151,5 @@ def global_selection(
     def select(pooled: TokenBatch, means: tuple[float, float]) -> tuple[torch.Tensor, dict[str, float]]:
         return objective.select(pooled, params, dataclasses.replace(ctx, cov_means=means), None), {}
 
-    masks, means, _, _ = pooled_selection(micro_batches, select, group=group)
-    return masks, means
+    pooled = pooled_selection(micro_batches, select, group=group)
+    return pooled.masks, pooled.means

@@ -9,6 +9,7 @@ import torch
 
 from entropy_openrlhf.actors.step_data import TrainSample
 from entropy_openrlhf.actors.train_phases import RankSetup, prepare_step
+from entropy_openrlhf.algorithms.selection import PooledSelection
 from entropy_openrlhf.config import from_args
 
 # a stand-in for the DeepSpeed engine: prepare_step reads only its device and its model's config
@@ -59,7 +60,7 @@ def test_a_global_selection_in_a_later_pass_reads_the_weights_as_they_are_then(m
 
     def pooled_selection(pooled, select, with_entropy, with_weights):
         seen.append(float(pooled[0].log_probs.flatten()[0]))
-        return [None] * len(pooled), (0.0, 0.0), 0, {}
+        return PooledSelection([None] * len(pooled), (0.0, 0.0), 0, {})
 
     monkeypatch.setattr(train_phases, "pooled_selection", pooled_selection)
     for epoch, mini in ((0, 0), (0, 1), (1, 0), (1, 1)):
