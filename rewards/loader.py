@@ -96,16 +96,26 @@ class Verifier:
             return [failed_result(error=f"{type(e).__name__}: {e}") for _ in range(n)]
 
 
-def probe(verifier: Verifier, item: Item, timeout_s: float | None) -> str | None:
-    """What goes wrong when `verifier` scores `item` (one real row, its label given as the response), or None. The
-    item is scored twice in one call, so that an OpenRLHF file's batch is checked too. Only a failure counts: the
-    reward itself says nothing here. A verifier that fails on this fails on every sample of a run."""
-    for result in verifier.score([item, item], timeout_s):
+# The errors this module raises itself when a verifier's result has the wrong shape (_per_sample_result,
+# _reward_value, _batch_results, _as_list): whatever the response, every sample would fail the same way.
+SHAPE_ERRORS = (
+    "ValueError: the verifier returned", "TypeError: the verifier returned", "ValueError: reward is",
+    "ValueError: reward_func returned",
+)  # fmt: skip
+
+
+def probe(verifier: Verifier, item: Item, timeout_s: float | None) -> tuple[str | None, bool]:
+    """What goes wrong when `verifier` scores `item` (one real row, its label given as the response): (None, False)
+    when nothing does; else the error and whether it is a result of the wrong shape (SHAPE_ERRORS), which every
+    sample of a run would give. Another exception or a timeout may be this response's own (a label is rarely in the
+    answer format the verifier parses). Only a failure counts: the reward itself says nothing here. An OpenRLHF file
+    gets the item twice in one call, so that its batch length is checked too."""
+    for result in verifier.score([item] * (2 if verifier.batched else 1), timeout_s):
         if result["error"]:
-            return result["error"]
+            return result["error"], result["error"].startswith(SHAPE_ERRORS)
         if result["timed_out"]:
-            return f"no result within --reward.timeout_s {timeout_s:g}"
-    return None
+            return f"no result within --reward.timeout_s {timeout_s:g}", False
+    return None, False
 
 
 def failed_result(*, error: str | None = None, timed_out: bool = False) -> dict[str, Any]:

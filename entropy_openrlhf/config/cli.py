@@ -6,9 +6,11 @@ and `set_by_path` (a leaf set by its dotted name).
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import re
+import sys
 from typing import Any
 
 from entropy_openrlhf.config.paths import _fields
@@ -112,18 +114,35 @@ def from_args(argv: list[str] | None, defaults: dict[str, Any] | None = None, de
     cfg = Config()
     for key, value in (defaults or {}).items():
         set_by_path(cfg, key, value)
-    # the preset is read first (alone), so that the full parser's --help can show its values
-    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    early.add_argument("--preset", default=None)
-    preset = early.parse_known_args(argv)[0].preset or cfg.preset
+    # The preset is looked up first, so that --help shows its values. The full parse below reports any flag error
+    # (a missing value included) as before; an unknown preset is reported after it, also as before.
+    preset = _preset_in(argv) or cfg.preset
+    shown = cfg
+    if preset in PRESETS:
+        shown = copy.deepcopy(cfg)
+        apply_preset(shown, preset)
+        shown.preset = preset
+    args = build_parser(description, shown=shown).parse_args(argv)
+    preset = args.preset or cfg.preset
     if preset:
         apply_preset(cfg, preset)
         cfg.preset = preset
-    args = build_parser(description, shown=cfg).parse_args(argv)
     for key, value in vars(args).items():
         if value is not None:
             set_by_path(cfg, key, value)
     return cfg
+
+
+def _preset_in(argv: list[str] | None) -> str | None:
+    """The value of `--preset NAME` or `--preset=NAME` in argv, if any (the last, as argparse takes it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--preset="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def apply_preset(cfg: Config, name: str) -> None:

@@ -127,24 +127,28 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
         items = load_prompts(path, max_samples=cfg.eval.max_samples or None, **kw)
         check_prompt_lengths(path, items, tokenizer, cfg)
         test_items += items
-    probe_verifier(verifier, cfg, train_path if train_items else ", ".join(test_paths), (train_items or test_items)[:1])
+    first_path = train_path if train_items else (test_paths[0] if test_paths else "")
+    probe_verifier(verifier, cfg, first_path, (train_items or test_items)[:1])
     return model_path, train_items, test_items
 
 
 def probe_verifier(verifier: Verifier, cfg: Config, path: str, first: list[PromptItem]) -> None:
-    """A verifier that cannot score the first row (given its own label as the response) would score 0 on every
-    sample of the run: a wrong signature's KeyError, a dict without its reward, an OpenRLHF file's short list. It
-    fails now, naming the row and the error, before any actor starts."""
+    """The verifier tried on the first row, its own label given as the response, before any actor starts. A result
+    of the wrong shape (a dict without its reward, an OpenRLHF file's short list) would fail every sample of the
+    run: refused, naming the row. Any other error may be this response's own (a label is rarely in the answer
+    format a verifier parses): said in one line, since one that every response raises scores every sample 0."""
     if not first:
         return
     item = first[0]
     metadata = {**item.metadata, "data_source": item.data_source, "response_tokens": 1, "finish_reason": "stop"}
-    problem = probe(verifier, (str(item.label), item.label, item.prompt, metadata), cfg.reward.timeout_s)
+    problem, every_sample = probe(verifier, (str(item.label), item.label, item.prompt, metadata), cfg.reward.timeout_s)
+    where = f"verifier {cfg.reward.verifier!r} on the first row of {path}, given its label as the response"
+    if every_sample:
+        raise VerifierLoadError(f"{where}: {problem}; every sample would fail so (docs/guides/verifiers.md)")
     if problem:
-        raise VerifierLoadError(
-            f"verifier {cfg.reward.verifier!r} fails on {path} row {item.index}, given its label as the response: "
-            f"{problem} (docs/guides/verifiers.md, 'Try a verifier')"
-        )
+        print(f"[entropy-openrlhf] note: {where}: {problem}. A response that raises scores 0 (reward/errors); if "
+              "real responses raise too, check the verifier (docs/guides/verifiers.md, 'Try a verifier')",
+              flush=True)  # fmt: skip
 
 
 def check_prompt_lengths(path: str, items: list, tokenizer, cfg: Config) -> None:

@@ -330,7 +330,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             self.starvation_said = True
         skipped = train_metrics.get("train/skipped_steps", 0) > 0
         self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
-        if self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
+        if skipped and self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
             raise RuntimeError(
                 f"{self._nonfinite_run} consecutive RL steps had optimizer steps skipped for a non-finite loss or "
                 f"gradient; stopping at step {step} (--train.max_nonfinite_steps). Lower --actor.lr or check the "

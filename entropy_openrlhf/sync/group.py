@@ -130,6 +130,7 @@ class WeightSyncGroup:
             group = stateless_group(rank=rank, world_size=world_size, store=prefixed)
             self.comm = communicator(group, device=self.device)
             if self.comm.disabled:  # PyNccl turns itself off without raising, and its broadcast then does nothing
+                self.close()
                 raise WeightSyncError(
                     f"weight sync rank {rank}: vLLM's NCCL communicator is disabled in this process "
                     "(VLLM_DISABLE_PYNCCL is set, or the NCCL library did not load)"

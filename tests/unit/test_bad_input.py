@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.main import main
+from entropy_openrlhf.pipeline.run import prepare
 
 ROOT = Path(__file__).parents[2]
 
@@ -69,8 +71,8 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (tmp / run / "checkpoints" / "step2" / "trainer_state.json").write_text(state)
     broken = tmp / "broken_verifier.py"
     broken.write_text("import a_module_that_is_not_there\n\ndef verify(response, label, **kw):\n    return 1.0\n")
-    trl_style = tmp / "trl_reward.py"  # TRL's signature: binds to the per-sample call, fails on every sample
-    trl_style.write_text("def accuracy_reward(prompts, completions, **kwargs):\n    return kwargs['solution']\n")
+    wrong_shape = tmp / "wrong_shape.py"  # verl's old habit of a bare dict of extras: no reward in it
+    wrong_shape.write_text("def verify(response, label, **kwargs):\n    return {'pred': response}\n")
     data = lambda name, rows: ["--data.train", jsonl(tmp / name, rows)]  # noqa: E731
     return [
         (["--data.train", str(tmp / "missing.jsonl")], [str(tmp / "missing.jsonl"), "no such file"]),
@@ -130,8 +132,8 @@ def cases(tmp: Path) -> list[tuple[list[str], list[str]]]:
         (["--ray.num_cpus", "-1"], ["--ray.num_cpus", "-1 must be >= 1"]),
         (["--logger.sample_table_every", "-1"], ["--logger.sample_table_every", "-1 must be >= 0"]),
         (
-            ["--reward.verifier", f"{trl_style}:accuracy_reward"],
-            ["trl_reward.py:accuracy_reward", "fails on", "row 0", "given its label as the response", "'solution'"],
+            ["--reward.verifier", f"{wrong_shape}:verify"],
+            ["wrong_shape.py:verify", "first row of", "without 'reward' or 'score'", "every sample would fail"],
         ),
     ]
 
@@ -146,7 +148,7 @@ CASE_IDS = [
     "infinite-temperature", "negative-max-samples", "negative-eval-max-samples", "output-dir-is-a-file",
     "model-without-tokenizer", "test-keys-without-train", "list-label", "torn-checkpoint",
     "fresh-run-over-checkpoints", "no-generation-round", "negative-ray-cpus", "negative-table-interval",
-    "verifier-fails-on-every-row",
+    "verifier-result-without-reward",
 ]  # fmt: skip
 
 
@@ -185,6 +187,19 @@ def test_a_relative_output_dir_inside_a_jobs_working_dir_copy_is_refused(model, 
     flags = ["--train.output_dir", "outputs/run", "--reward.verifier", "nope.py:f"]
     code, err = run(["--preset", "smoke", "--pretrain", model, *flags], capsys)
     assert code == 2 and "is relative" not in err and "nope.py" in err, err
+
+
+def test_a_verifier_raising_on_its_label_as_a_response_is_noted_not_refused(model, tmp_path, capsys):
+    """A verifier that parses a format the label is not in (an <answer> tag) raises on the probe's response: that
+    may be the response's own fault, so the run is told, not stopped."""
+    tagged = tmp_path / "tagged.py"
+    tagged.write_text("import re\n\ndef verify(response, label, **kw):\n"
+                      "    return float(re.search('<answer>(.*)</answer>', response).group(1) == label)\n")  # fmt: skip
+    cfg = from_args(["--preset", "smoke", "--pretrain", model, "--train.output_dir", str(tmp_path / "out"),
+                     "--reward.verifier", f"{tagged}:verify"])  # fmt: skip
+    _, train_items, _ = prepare(cfg)
+    out = capsys.readouterr().out
+    assert train_items and "note: verifier" in out and "AttributeError" in out and "reward/errors" in out
 
 
 def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, capsys, no_ray):

@@ -153,6 +153,26 @@ def test_help_shows_the_pipelines_and_the_presets_values_in_sections():
     assert from_args(["--preset", "qwen2.5-7b-dapo", "--rollout.batch_size", "3"]).rollout.batch_size == 3
 
 
+def test_looking_up_the_preset_for_help_leaves_flag_errors_as_they_were(capsys):
+    def exit_of(argv):
+        with pytest.raises(SystemExit) as stopped:
+            from_args(argv)
+        captured = capsys.readouterr()
+        return stopped.value.code, captured.err.strip()
+
+    code, err = exit_of(["--preset"])
+    assert code == 2 and "error: argument --preset: expected one argument" in err and "\n" not in err  # one line
+    code, err = exit_of(["--preset", "nope", "--bad.flag", "1"])
+    assert code == 2 and "unrecognized arguments: --bad.flag 1" in err and "\n" not in err  # the flag, first
+    code, err = exit_of(["--data.system_prompt", "--preset", "smoke"])
+    assert code == 2 and "argument --data.system_prompt: expected one argument" in err
+    code, _ = exit_of(["--preset", "nope", "--help"])
+    assert code == 0  # help still prints; the unknown preset is reported on a real run
+    with pytest.raises(ValueError, match="--preset 'nope': unknown"):
+        from_args(["--preset", "nope"])
+    assert from_args(["--preset=smoke"]).preset == "smoke" and from_args(["--preset", "smoke"]).train.num_steps == 2
+
+
 def test_flatten_is_flat_and_complete():
     flat = Config().flatten()
     assert flat["loss.kl_cov.coef"] == 1.0 and flat["async.max_staleness"] == 1

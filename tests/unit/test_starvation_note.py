@@ -96,3 +96,8 @@ def test_the_run_stops_after_max_nonfinite_steps_skipped_in_a_row():
         trainer._check_step(step, metrics)  # a clean step in between starts the count again
     with pytest.raises(RuntimeError, match=r"^2 consecutive RL steps .* stopping at step 3 \(--train.max_nonfin"):
         trainer._check_step(3, skipped)
+    # at 0 the first skipped step stops the run, and a clean one never does
+    trainer = bare_trainer(config("grpo", "--train.max_nonfinite_steps", "0"))
+    trainer._check_step(0, clean)
+    with pytest.raises(RuntimeError, match=r"^1 consecutive RL steps .* stopping at step 1"):
+        trainer._check_step(1, skipped)

@@ -329,12 +329,19 @@ def test_probe_reports_a_verifier_that_fails_on_a_real_row_and_passes_a_sound_on
     short = write(tmp_path, "short.py", "def reward_func(queries, prompts, labels):\n    return [1.0]\n")
     row = ("4", "4", "What is 2 + 2?", {"data_source": "", "response_tokens": 1, "finish_reason": "stop"})
     # a TRL reward function binds to the per-sample call (prompts<-response, completions<-label) and then fails
-    assert probe(load_verifier(f"{trl}:accuracy_reward"), row, 5.0) == "KeyError: 'solution'"
-    assert probe(load_verifier(str(short)), row, 5.0) == "ValueError: reward_func returned 1 rewards for a batch of 2"
-    assert probe(load_verifier("math"), row, 5.0) is None
-    assert probe(load_verifier(f"{write(tmp_path, 'p.py', PER_SAMPLE)}:exact"), row, 5.0) is None
+    # the verifier's own exception may be this response's: said, not refused
+    assert probe(load_verifier(f"{trl}:accuracy_reward"), row, 5.0) == ("KeyError: 'solution'", False)
+    # a result of the wrong shape fails every sample: refused
+    short_batch = "ValueError: reward_func returned 1 rewards for a batch of 2"
+    assert probe(load_verifier(str(short)), row, 5.0) == (short_batch, True)
+    no_reward = write(tmp_path, "no_reward.py", "def f(response, label, **kw):\n    return {'value': 1.0}\n")
+    assert probe(load_verifier(f"{no_reward}:f"), row, 5.0) == (
+        "ValueError: the verifier returned a dict without 'reward' or 'score' (keys: ['value'])", True
+    )  # fmt: skip
+    assert probe(load_verifier("math"), row, 5.0) == (None, False)
+    assert probe(load_verifier(f"{write(tmp_path, 'p.py', PER_SAMPLE)}:exact"), row, 5.0) == (None, False)
     hang = write(tmp_path, "hang.py", "import time\n\ndef f(response, label, **kw):\n    time.sleep(30)\n")
-    assert probe(load_verifier(f"{hang}:f"), row, 0.2) == "no result within --reward.timeout_s 0.2"
+    assert probe(load_verifier(f"{hang}:f"), row, 0.2) == ("no result within --reward.timeout_s 0.2", False)
 
 
 def test_the_example_openrlhf_math_file_scores_as_the_math_verifier_does():

@@ -135,6 +135,7 @@ def test_a_disabled_pynccl_communicator_is_an_error_not_a_broadcast_that_does_no
         WeightSyncGroup(dist.HashStore(), rank=1, world_size=2, backend="nccl", timeout_s=5)
     (comm,) = FakeCommunicator.made
     assert comm.broadcasts == []  # no handshake was tried against itself
+    assert comm.destroyed == 1  # what was built is released, not left to the actor's lifetime
 
 
 def test_nccl_finish_aborts_the_communicator_at_the_deadline_instead_of_hanging(fake_gpu):
