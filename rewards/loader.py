@@ -287,19 +287,20 @@ def _checked(normalised: str, fn: Any, name: str, spec: str, *, batched: bool) -
                 f"verifier {spec!r}: {name}{inspect.signature(fn)} must accept (queries, prompts, labels)"
             )
         return Verifier(spec=normalised, fn=fn, batched=True)
+    takes_timeout = "timeout_s" in _parameter_names(fn)
     if _parameter_names(fn) >= VERL_PARAMETERS - {"extra_info"}:
         if not _accepts(fn, data_source="", solution_str="", ground_truth="", extra_info={}):
             raise VerifierLoadError(
                 f"verifier {spec!r}: {name}{inspect.signature(fn)} looks like a verl reward function but does not "
                 "accept (data_source, solution_str, ground_truth, extra_info) by keyword"
             )
-        return Verifier(spec=normalised, fn=fn, batched=False, verl=True, takes_timeout=_takes_timeout(fn))
+        return Verifier(spec=normalised, fn=fn, batched=False, verl=True, takes_timeout=takes_timeout)
     if not _accepts(fn, "response", "label", prompt="", metadata={}):
         raise VerifierLoadError(
             f"verifier {spec!r}: {name}{inspect.signature(fn)} must accept (response, label, *, prompt, metadata), "
             "or be a verl compute_score(data_source, solution_str, ground_truth, extra_info)"
         )
-    return Verifier(spec=normalised, fn=fn, batched=False, takes_timeout=_takes_timeout(fn))
+    return Verifier(spec=normalised, fn=fn, batched=False, takes_timeout=takes_timeout)
 
 
 def _parameter_names(fn: Callable) -> set[str]:
@@ -307,7 +308,3 @@ def _parameter_names(fn: Callable) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except ValueError:  # builtins without a signature
         return set()
-
-
-def _takes_timeout(fn: Callable) -> bool:
-    return "timeout_s" in _parameter_names(fn)

@@ -1,4 +1,6 @@
+import contextlib
 import dataclasses
+import io
 import json
 import warnings
 from pathlib import Path
@@ -129,9 +131,6 @@ def test_help_lists_every_field():
 
 def help_of(argv: list[str], pipeline: str) -> str:
     """What `pipelines/<pipeline>.py <argv> --help` prints."""
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stopped:
         from_args([*argv, "--help"], PIPELINES[pipeline])

@@ -4,7 +4,7 @@ names the numbers and only advice that could help, and says so when the steps ha
 import pytest
 
 from entropy_openrlhf.config import from_args
-from entropy_openrlhf.pipeline.trainer import starvation_note
+from entropy_openrlhf.pipeline.trainer import Trainer, starvation_note
 from entropy_openrlhf.presets import PIPELINES
 
 
@@ -68,8 +68,6 @@ def test_steps_without_any_advantage_are_named_as_such_with_no_objective_advice(
 
 def bare_trainer(cfg):
     """A Trainer without actors: what its step checks (`_check_step`) read."""
-    from entropy_openrlhf.pipeline.trainer import Trainer
-
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.starvation_said = cfg, False
     trainer._starved_run = trainer._nonfinite_run = 0

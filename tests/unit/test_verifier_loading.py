@@ -1,13 +1,16 @@
 """`rewards.load_verifier`: every spec form, every load error, and how results are normalised (no Ray here)."""
 
 import math
+import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
-from rewards import VerifierLoadError, load_verifier
+from rewards import VerifierLoadError, load_verifier, probe
 from rewards.loader import Verifier
+from rewards.math import math_verifier
 
 PER_SAMPLE = textwrap.dedent(
     """
@@ -295,8 +298,6 @@ def test_a_verl_compute_score_is_called_by_keyword_with_the_row_and_its_score_is
     right, wrong = v.score([item("42", "42", "Q?", meta), item("41", "42", "Q?", meta)], 5.0)
     assert (right["reward"], right["acc"], right["info"]["pred"], right["error"]) == (1.0, True, "42", None)
     assert (wrong["reward"], wrong["acc"]) == (-1.0, False)  # verl's -1 for a wrong answer stays -1
-    import sys
-
     calls = next(m for name, m in sys.modules.items() if name.startswith("_verifier_verl_reward")).CALLS
     assert calls[0] == ("openai/gsm8k", "42", "42", meta)  # extra_info: the row's other fields
     [r] = load_verifier(f"{path}:plain_score").score([item("x", "y")], 5.0)
@@ -322,8 +323,6 @@ def test_system_exit_while_importing_a_module_names_the_verifier(tmp_path, monke
 
 
 def test_probe_reports_a_verifier_that_fails_on_a_real_row_and_passes_a_sound_one(tmp_path):
-    from rewards import probe
-
     trl_source = "def accuracy_reward(prompts, completions, **kwargs):\n    return [0.0 for _ in kwargs['solution']]\n"
     trl = write(tmp_path, "trl_style.py", trl_source)
     short = write(tmp_path, "short.py", "def reward_func(queries, prompts, labels):\n    return [1.0]\n")
@@ -345,10 +344,6 @@ def test_probe_reports_a_verifier_that_fails_on_a_real_row_and_passes_a_sound_on
 
 
 def test_the_example_openrlhf_math_file_scores_as_the_math_verifier_does():
-    from pathlib import Path
-
-    from rewards.math import math_verifier
-
     path = Path(__file__).parents[2] / "rewards" / "examples" / "openrlhf_math.py"
     v = load_verifier(str(path))
     assert v.batched is True
