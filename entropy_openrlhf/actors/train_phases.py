@@ -247,7 +247,7 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     op = s.off_policy
     out = correct(lp, r, b.mask, op)
     # without a weight or a rejection every valid token weighs 1: nothing to multiply
-    s.is_weights[i] = out.weights if op.is_level != "none" or op.reject != "none" else None
+    s.is_weights[i] = out.weights if op.weighs else None
     n = int(b.mask.sum())
     if n == 0:
         return
@@ -342,9 +342,7 @@ def select_globally(
                 forward_log_probs(engine, s.batches[i], temperature=temperature, with_entropy=s.needs_entropy)
                 for i in idx
             ]
-    # weighted on every rank alike (the same settings), so that every rank gathers the same rows; the old pass has
-    # computed the weights (bypass, which has no old pass, refuses every weight and rejection)
-    with_weights = s.off_policy.is_level != "none" or s.off_policy.reject != "none"
+    # the old pass computed the weights; s.off_policy.weighs is alike on every rank, so all gather the same rows
     pooled = [
         TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent, is_weights=s.is_weights[i])
         for (lp, ent), i in zip(current, idx)
@@ -356,7 +354,7 @@ def select_globally(
         ctx = dataclasses.replace(base, cov_means=means, generator=generator)
         return select_tokens(lc.type, s.params, lc, tokens, ctx)
 
-    chosen = pooled_selection(pooled, select, with_entropy=s.needs_entropy, with_weights=with_weights)
+    chosen = pooled_selection(pooled, select, with_entropy=s.needs_entropy, with_weights=s.off_policy.weighs)
     for k, v in chosen.metrics.items():
         s.add(k, v)
     context = dataclasses.replace(base, cov_means=chosen.means, selected_total=float(chosen.total))

@@ -39,6 +39,11 @@ class OffPolicyConfig:
     reject_max: float = 2.0
     bypass: bool = False  # the rollout's log-probs are pi_old: no old-log-prob forward, nothing to correct
 
+    @property
+    def weighs(self) -> bool:
+        """Whether a token may weigh other than 1: an importance weight or a rejection is asked for."""
+        return self.is_level != "none" or self.reject != "none"
+
     def __post_init__(self) -> None:
         for name, allowed in (("is_level", IS_LEVELS), ("reject", REJECT_MODES)):
             if getattr(self, name) not in allowed:
