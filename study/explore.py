@@ -50,6 +50,11 @@ MIDWAY = 25  # the policy version evaluated midway
 PRIMARY_K = 32
 SECONDARY_KS = (1, 64)
 LAST = 10  # entropy is averaged over the last ten steps
+# The batches generated around the midway evaluation: with staleness 1 the evaluation of version 25 follows the
+# generation of batch 26 (beside training step 25, whose sync of version 26 could overtake it), one step of margin
+# either side. The final evaluation runs on the trainer's thread after the producer has ended: no race there.
+RISK_STEPS = range(MIDWAY - 1, MIDWAY + 3)
+PRODUCER_TIMES = ("time/sync", "time/reward", "time/reference")  # the producer's time per batch beside time/rollout
 SEED_DIR = re.compile(r"(explore_\w+?)_seed(\d+)")
 Curve = list[tuple[int, Estimate]]  # (k, pass@k over the seeds), k ascending
 
@@ -103,15 +108,27 @@ def final_entropy(run: Run) -> float:
 
 def steps_at_risk(run: Run) -> list[int] | None:
     """The steps at which the code the runs used (7d6c542) could have evaluated the next version under this one's
-    label: generating and scoring a batch (`time/rollout` + `time/reward`) took longer than the training step
-    (`time/train`) beside it (study/notebook.md). None when the run logged no timings."""
+    label (study/notebook.md, amended before the analysis): among the batches generated around the midway
+    evaluation (steps RISK_STEPS), those whose sync, generation and scoring (`time/sync` + `time/rollout` +
+    `time/reward`, and `time/reference` where logged) took longer than either training step that could have run
+    beside them (`time/train` of the same step or the one before). None when the run logged no timings."""
     try:
-        steps, rollout = run.pairs("step", "time/rollout")
-        reward = dict(zip(*run.pairs("step", "time/reward")))
+        rollout = dict(zip(*run.pairs("step", "time/rollout")))
         train = dict(zip(*run.pairs("step", "time/train")))
     except ValueError:
         return None
-    return [int(s) for s, r in zip(steps, rollout) if r + reward.get(s, 0.0) > train.get(s, math.inf)]
+    logged = [run.series(key) for key in PRODUCER_TIMES]
+    producer_side = [dict(zip(*series)) for series in logged if series is not None]
+    at_risk = []
+    for s in RISK_STEPS:
+        beside = [train[t] for t in (s - 1, s) if t in train]
+        if s not in rollout or not beside:  # a step without its timings cannot be cleared
+            at_risk.append(s)
+            continue
+        generating = rollout[s] + sum(times.get(s, 0.0) for times in producer_side)
+        if generating > min(beside):
+            at_risk.append(s)
+    return at_risk
 
 
 def race_check(pairs: dict[int, dict[str, Run]]) -> str:

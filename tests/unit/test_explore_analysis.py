@@ -180,16 +180,53 @@ def test_a_run_evaluated_once_has_no_midway_curve(experiment):
     assert set(curves["explore_kl_cov"]) == {"final", "step 25"}
 
 
+def timed(folder: Path, slow: dict[int, dict[str, float]]) -> None:
+    """Give every row of a run the producer's and trainer's timings: generating and scoring a batch 20 s, a training
+    step 55 s, except the keys given for the steps in `slow`."""
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row.update({"time/sync": 1.0, "time/rollout": 15.0, "time/reward": 4.0, "time/train": 55.0})
+        row.update(slow.get(row["step"], {}))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_the_race_check_names_a_step_whose_generation_outlasted_its_training(experiment, capsys):
     assert explore.main(["--runs", str(experiment["dir"])]) == 0
     assert "Evaluation-version check: no step at risk; no timings logged in" in capsys.readouterr().out
-    path = experiment["dir"] / "explore_kl_cov_seed3" / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    for row in rows:
-        slow = row["step"] == 24
-        row.update({"time/rollout": 40.0 if slow else 15.0, "time/reward": 5.0, "time/train": 30.0 if slow else 55.0})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    timed(experiment["dir"] / "explore_kl_cov_seed3", {24: {"time/rollout": 40.0, "time/train": 30.0}})
     run = explore.find_pairs(experiment["dir"])[3]["explore_kl_cov"]
+    # 1 + 40 + 4 = 45 s outlasts its 30 s training step; the step-25 batch (20 s) stays under that step's 30 s
     assert explore.steps_at_risk(run) == [24]
     assert explore.main(["--runs", str(experiment["dir"])]) == 0
     assert "steps at risk in {'explore_kl_cov_seed3': [24]}" in capsys.readouterr().out
+
+
+def test_the_race_check_counts_the_sync_and_the_training_step_before(experiment):
+    folder = experiment["dir"] / "explore_grpo_seed2"
+    # the step-26 batch (the one the midway evaluation follows) runs beside training step 25: 10 + 30 + 10 = 50 s
+    # outlasts its 45 s, though the training step of its own row (55 s) and its generation alone (30 s) do not
+    timed(folder, {26: {"time/sync": 10.0, "time/rollout": 30.0, "time/reward": 10.0}, 25: {"time/train": 45.0}})
+    assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[2]["explore_grpo"]) == [26]
+
+
+def test_the_race_check_ignores_slow_steps_where_no_evaluation_is_due(experiment, capsys):
+    # a slow batch at step 17 (as one run's was beside a test suite) or step 40 touches no evaluation
+    slow = {"time/rollout": 80.0, "time/train": 20.0}
+    timed(experiment["dir"] / "explore_grpo_seed3", {17: slow, 40: slow, 23: slow, 28: slow})
+    assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[3]["explore_grpo"]) == []
+    for seed in range(1, 8):
+        for arm in explore.ARMS:
+            timed(experiment["dir"] / f"{arm}_seed{seed}", {})
+    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    assert "Evaluation-version check: no step at risk in any of the 14 runs" in capsys.readouterr().out
+
+
+def test_a_run_missing_a_timing_around_the_midway_evaluation_is_not_cleared(experiment):
+    folder = experiment["dir"] / "explore_kl_cov_seed5"
+    timed(folder, {})
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    del rows[26]["time/rollout"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[5]["explore_kl_cov"]) == [26]
