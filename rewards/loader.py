@@ -39,8 +39,10 @@ VERL_PARAMETERS = frozenset({"data_source", "solution_str", "ground_truth", "ext
 _FORMS = f"a built-in name ({', '.join(BUILTINS)}), pkg.module:function, path/file.py:function"
 _FORMS += " or an OpenRLHF reward .py file"
 
-# One item to score: (response, label, prompt, metadata)
-Item = tuple[str, Any, str, dict]
+# One item to score: (response, label, prompt, metadata), optionally followed by the whole sequence as OpenRLHF
+# decodes it for its reward_func (prompt and response tokens together, special tokens kept); without it an OpenRLHF
+# file gets prompt + response
+Item = tuple[str, Any, str, dict] | tuple[str, Any, str, dict, str]
 
 
 class VerifierLoadError(ValueError):
@@ -64,7 +66,7 @@ class Verifier:
         if self.batched:
             return self._score_batch(items, timeout_s)
         results = []
-        for response, label, prompt, metadata in items:
+        for response, label, prompt, metadata, *_ in items:
             if self.verl:  # verl's extra_info is the row's; here it also holds the row's other fields
                 args, kwargs = (), {"data_source": metadata.get("data_source", ""), "solution_str": response,
                                     "ground_truth": label, "extra_info": metadata}  # fmt: skip
@@ -84,9 +86,9 @@ class Verifier:
     def _score_batch(self, items: list[Item], timeout_s: float | None) -> list[dict[str, Any]]:
         n = len(items)
         # OpenRLHF passes the whole decoded sequence as the query
-        queries = [prompt + response for response, _, prompt, _ in items]
-        prompts = [prompt for _, _, prompt, _ in items]
-        labels = [label for _, label, _, _ in items]
+        queries = [item[4] if len(item) > 4 else item[2] + item[0] for item in items]
+        prompts = [item[2] for item in items]
+        labels = [item[1] for item in items]
         try:
             out = call_with_deadline(self.fn, timeout_s * n if timeout_s else None, queries, prompts, labels)
             return _batch_results(out, n)

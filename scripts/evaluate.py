@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = init_ray(cfg.ray.num_cpus)
     rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as training runs them (GPUs, dtype, vLLM flags)
-    reward = RewardGroup.from_config(cfg)
+    reward = RewardGroup.from_config(cfg, model_path)
     try:
         result = evaluate(rollout, reward, items, cfg)
     finally:

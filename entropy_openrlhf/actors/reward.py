@@ -26,7 +26,7 @@ import ray
 from entropy_openrlhf.ray_waits import wait_started
 from entropy_openrlhf.samples import Sample
 from rewards import VerifierLoadError, load_verifier
-from rewards.loader import failed_result
+from rewards.loader import Item, failed_result
 
 if TYPE_CHECKING:  # annotations only: the verifier workers need no config module
     from entropy_openrlhf.config import Config
@@ -59,17 +59,22 @@ class VerifierWorker:
         return self.verifier.score(items, self.timeout_s)
 
 
-def verifier_items(samples: list[Sample]) -> list[tuple[str, str, str, dict[str, Any]]]:
+def verifier_items(samples: list[Sample], tokenizer: Any = None) -> list[Item]:
     """What a verifier is called with for each sample: (response, label, prompt, metadata), the metadata being the
     dataset row's other fields (its `data_source` included) plus the response's token count and the engine's finish
     reason ("stop" or "length": cut at --rollout.max_new_tokens), so a verifier can judge length itself
-    (docs/guides/verifiers.md)."""
-    return [
-        (s.response, s.label, s.prompt, {**s.metadata, "data_source": s.data_source,
-                                         "response_tokens": len(s.response_token_ids),
-                                         "finish_reason": s.finish_reason})
-        for s in samples
-    ]  # fmt: skip
+    (docs/guides/verifiers.md). With the policy's `tokenizer` (an OpenRLHF reward file's run), each item also holds
+    the query OpenRLHF gives its reward_func: the prompt and response tokens decoded together, special tokens kept, so
+    the end-of-turn token the response stopped at is in it (the response text itself is decoded without them)."""
+    items: list[Item] = []
+    for s in samples:
+        metadata = {**s.metadata, "data_source": s.data_source, "response_tokens": len(s.response_token_ids),
+                    "finish_reason": s.finish_reason}  # fmt: skip
+        item = (s.response, s.label, s.prompt, metadata)
+        if tokenizer is not None:
+            item += (tokenizer.decode(s.prompt_token_ids + s.response_token_ids, skip_special_tokens=False),)
+        items.append(item)
+    return items
 
 
 class RewardGroup:
@@ -77,12 +82,13 @@ class RewardGroup:
     with `reward`, `acc`, `format_ok` and `reward_info` filled, plus the batch's `reward/*` metrics."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> RewardGroup:
-        """The verifier group a run's config describes (--reward.*, --ray.start_timeout_s), as training starts it."""
+    def from_config(cls, cfg: Config, model_path: str | None = None) -> RewardGroup:
+        """The verifier group a run's config describes (--reward.*, --ray.start_timeout_s), as training starts it;
+        `model_path`: the policy's folder, whose tokenizer builds an OpenRLHF reward file's queries."""
         w = cfg.reward
         return cls(
             w.verifier, num_workers=w.num_workers, timeout_s=w.timeout_s, num_cpus_per_worker=w.num_cpus_per_worker,
-            custom_resources=w.custom_resources, start_timeout_s=cfg.ray.start_timeout_s,
+            custom_resources=w.custom_resources, start_timeout_s=cfg.ray.start_timeout_s, tokenizer_path=model_path,
         )  # fmt: skip
 
     def __init__(
@@ -95,11 +101,20 @@ class RewardGroup:
         custom_resources: dict[str, float] | None = None,
         stuck_grace_s: float = STUCK_GRACE_S,
         start_timeout_s: float = 600.0,
+        tokenizer_path: str | None = None,
     ):
         # load here first: a clear error in the driver, and file paths made absolute for the workers
-        self.spec = load_verifier(verifier).spec
+        loaded = load_verifier(verifier)
+        self.spec = loaded.spec
+        self.tokenizer = None  # an OpenRLHF reward file's queries are decoded here, on the driver (verifier_items)
+        if loaded.batched and tokenizer_path is not None:
+            # imported here: the verifier workers import this module too, and need no transformers
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.timeout_s = timeout_s
         self.stuck_grace_s = stuck_grace_s
+        self.last_error: str | None = None  # the first error of the newest batch, if the verifier raised
         self._lock = threading.Lock()  # one score() at a time; the driver calls it from a background thread
         # SPREAD: on a multi-node cluster the verifier load goes to every node rather than piling onto one
         self.workers = [
@@ -123,7 +138,7 @@ class RewardGroup:
             return samples, {}
         with self._lock:
             start = time.monotonic()
-            items = verifier_items(samples)
+            items = verifier_items(samples, self.tokenizer)
             results = self._score_items(items)
             seconds = time.monotonic() - start
         for sample, r in zip(samples, results):
@@ -222,6 +237,7 @@ class RewardGroup:
     def _metrics(self, results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
         rewards = [r["reward"] for r in results]
         errors = [r["error"] for r in results if r["error"]]
+        self.last_error = errors[0] if errors else None  # named by the trainer if every sample keeps failing
         if errors:
             n = len(results)
             logger.warning(
@@ -234,6 +250,7 @@ class RewardGroup:
             "reward/format_rate": statistics.fmean(float(r["format_ok"]) for r in results),
             "reward/timeouts": float(sum(r["timed_out"] for r in results)),
             "reward/errors": float(len(errors)),
+            "reward/scored_frac": statistics.fmean(not (r["error"] or r["timed_out"]) for r in results),
             "reward/seconds_per_sample": seconds / len(results),
         }
         logs: dict[str, list[float]] = {}

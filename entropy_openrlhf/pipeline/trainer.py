@@ -104,7 +104,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         cfg = self.cfg
         t0 = time.time()
         self.rollout = RolloutGroup.from_config(cfg, self.model_path)
-        self.reward = RewardGroup.from_config(cfg)
+        self.reward = RewardGroup.from_config(cfg, self.model_path)
         self.reference: ReferenceGroup | AdapterOffReference | None = None
         if cfg.starts_reference_group:
             self.reference = ReferenceGroup(cfg, self.model_path, local=local)
@@ -317,24 +317,36 @@ class Trainer(Checkpointing, NodeLossHandling):
         else:
             self._maybe_evaluate(final=True)
 
-    def _check_step(self, step: int, train_metrics: dict[str, float]) -> None:
-        """What a step's training says about the run: the objective's selection starved for STARVED_STEPS steps in
-        a row (a hint, printed once per run), or optimizer steps skipped for a non-finite loss for
-        --train.max_nonfinite_steps steps in a row (the run stops)."""
-        starved = train_metrics.get("loss/select_starved") == 1.0
+    def _check_step(self, step: int, metrics: dict[str, float]) -> None:
+        """What a step's metrics say about the run: the objective's selection starved for STARVED_STEPS steps in a
+        row (a hint, printed once per run); optimizer steps skipped for a non-finite loss for
+        --train.max_nonfinite_steps steps in a row, or the verifier failing on every response for
+        --reward.max_failed_steps steps in a row (the run stops)."""
+        starved = metrics.get("loss/select_starved") == 1.0
         self._starved_run = self._starved_run + 1 if starved else 0
         if self._starved_run == STARVED_STEPS and not self.starvation_said:
-            note = starvation_note(self.cfg, train_metrics)
+            note = starvation_note(self.cfg, metrics)
             if note:
                 print(note, flush=True)
             self.starvation_said = True
-        skipped = train_metrics.get("train/skipped_steps", 0) > 0
+        skipped = metrics.get("train/skipped_steps", 0) > 0
         self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
         if skipped and self._nonfinite_run >= self.cfg.train.max_nonfinite_steps:
             raise RuntimeError(
                 f"{self._nonfinite_run} consecutive RL steps had optimizer steps skipped for a non-finite loss or "
                 f"gradient; stopping at step {step} (--train.max_nonfinite_steps). Lower --actor.lr or check the "
                 "rewards and the model dtype."
+            )
+        unscored = metrics.get("reward/scored_frac") == 0.0
+        self._unscored_run = self._unscored_run + 1 if unscored else 0
+        limit = self.cfg.reward.max_failed_steps
+        if unscored and limit and self._unscored_run >= limit:
+            last = getattr(self.reward, "last_error", None)
+            raise RuntimeError(
+                f"the verifier {self.cfg.reward.verifier!r} raised or timed out on every response of "
+                f"{self._unscored_run} consecutive RL steps (reward/errors, reward/timeouts); stopping at step {step} "
+                f"(--reward.max_failed_steps). Its last error: {last or 'none: every response timed out'}. Try it "
+                "on a real response (docs/guides/verifiers.md, 'Try a verifier')"
             )
 
     def _log_step(self, tracker, step: int, metrics: dict, evaluations: list[dict], flat: list[Sample]) -> None:
@@ -362,7 +374,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             watch = NodeWatch(node_ids, on_lost=self._on_node_lost).start()
         self._in_loop, self._on_main_thread = True, threading.current_thread() is threading.main_thread()
         history: list[dict[str, float]] = []
-        self._starved_run = self._nonfinite_run = 0  # consecutive steps, for _check_step
+        self._starved_run = self._nonfinite_run = self._unscored_run = 0  # consecutive steps, for _check_step
         ended = False
         bar = tqdm(range(start_step, cfg.train.num_steps), desc="RL steps", dynamic_ncols=True)
         try:
@@ -401,7 +413,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 evaluations = self._take_evaluations()
                 if evaluations:  # the newest in this step's row; any older one in a row of its own at the same step
                     metrics.update(evaluations.pop())
-                self._check_step(step, train_metrics)
+                self._check_step(step, metrics)
                 history.append({"step": step, **metrics})
                 if tracker is not None:
                     self._log_step(tracker, step, metrics, evaluations, flat)

@@ -1,8 +1,9 @@
 """The built-in math verifier as an OpenRLHF reward file: what OpenRLHF's `--reward.remote_url` (or here
 `--reward.verifier rewards/examples/openrlhf_math.py`) loads, `reward_func(queries, prompts, labels)`.
 
-OpenRLHF passes each whole decoded sequence as the query, prompt first (with the special tokens it kept), so the
-response is what follows the prompt. Each sample is scored by `rewards.math.math_verifier` (docs/guides/verifiers.md).
+OpenRLHF passes each whole decoded sequence as the query, prompt first, special tokens kept, so the response is what
+follows the prompt, ending with the end-of-turn token where it stopped there (`<|im_end|>`); the math verifier reads
+its answer either way. Each sample is scored by `rewards.math.math_verifier` (docs/guides/verifiers.md).
 """
 
 from __future__ import annotations

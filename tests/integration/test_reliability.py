@@ -356,6 +356,28 @@ def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_p
         trainer.shutdown_groups()
 
 
+def test_a_verifier_failing_on_every_response_stops_the_run(ray_cluster, tmp_path):
+    # it raises on every response: without the stop, every reward would be 0 and the run would train on nothing
+    failing = VERIFIER.replace(":digit_share", ":needs_solution")
+    _, _, trainer = make_trainer(
+        tmp_path, "--train.num_steps", "4", "--async.max_staleness", "0", "--reward.verifier", failing,
+        "--reward.max_failed_steps", "2",
+    )  # fmt: skip
+    recorder = Recorder()
+    try:
+        with pytest.raises(RuntimeError) as error:
+            trainer.run(recorder)
+        message = str(error.value)
+        assert "raised or timed out on every response of 2 consecutive RL steps" in message
+        assert "stopping at step 1 (--reward.max_failed_steps). Its last error: KeyError: 'solution'" in message
+        assert list(recorder.metrics) == [0]  # step 1 stopped the run before it was logged
+        logged = recorder.metrics[0]
+        assert logged["reward/scored_frac"] == 0.0 and logged["reward/mean"] == 0.0
+        assert logged["reward/errors"] == trainer.cfg.rollout.batch_size * trainer.cfg.rollout.n_samples_per_prompt
+    finally:
+        trainer.shutdown_groups()
+
+
 def test_consecutive_non_finite_steps_stop_the_run(ray_cluster, tmp_path):
     from safetensors.torch import load_file
 

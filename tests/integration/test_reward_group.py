@@ -132,11 +132,14 @@ def test_exception_and_hang_score_zero_and_the_worker_carries_on(ray_cluster, fl
         assert out[3].reward_info["timed_out"] is True and out[3].reward_info["error"] is None
         assert out[0].reward_info == {"tag": "a", "timed_out": False, "error": None}
         assert metrics["reward/errors"] == 2 and metrics["reward/timeouts"] == 1
+        assert metrics["reward/scored_frac"] == pytest.approx(4 / 7)  # the two raises and the hang were not scored
+        assert group.last_error == "RuntimeError: boom on purpose"
         assert "first error: RuntimeError: boom on purpose" in caplog.text
         # the hang was cut inside the worker: no restart, each sample checked exactly once
         assert all(calls(calls_dir, r) == responses.count(r) for r in set(responses))
         out, metrics = group.score(make_samples(["e"], ["e"], calls_dir))  # the same workers still serve
         assert out[0].reward == 1.0 and metrics["reward/errors"] == 0
+        assert metrics["reward/scored_frac"] == 1.0 and group.last_error is None  # the newest batch's
     finally:
         group.shutdown()
 
@@ -211,6 +214,31 @@ def test_openrlhf_reward_file_with_extra_logs(ray_cluster, tmp_path):
         assert out[0].reward_info["query_len"] == len("Q: 42")
         assert metrics["reward/query_len"] == pytest.approx((5 + 5 + 4) / 3)  # "Q: 42", "Q: 41", "Q: 7"
         assert metrics["reward/mean"] == pytest.approx(2 / 3)
+    finally:
+        group.shutdown()
+
+
+def test_openrlhf_file_gets_queries_decoded_with_their_special_tokens(ray_cluster, tmp_path, tiny_model):
+    from transformers import AutoTokenizer
+
+    from entropy_openrlhf.actors.reward import RewardGroup
+
+    path = tmp_path / "rm.py"
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n    return [float(q.endswith('<|im_end|>')) for q in queries]\n"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    samples = make_samples(["The answer is 5", "The answer"], ["5", "5"], prompt=prompt)
+    for s, stopped in zip(samples, (True, False)):  # token ids as the engine gives them: the first stopped at eos
+        s.prompt_token_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        s.response_token_ids = (
+            tokenizer(s.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * stopped
+        )
+    group = RewardGroup(str(path), num_workers=1, timeout_s=5.0, tokenizer_path=tiny_model)
+    try:
+        out, _ = group.score(samples)
+        assert [s.reward for s in out] == [1.0, 0.0]  # only the response that stopped at eos ends with its token
     finally:
         group.shutdown()
 

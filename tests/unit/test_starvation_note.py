@@ -1,5 +1,8 @@
-"""The note a run prints once when a covariance objective's selection barely acts (trainer.starvation_note): it
-names the numbers and only advice that could help, and says so when the steps had no signal at all."""
+"""What a run does about its step metrics (Trainer._check_step): the note it prints once when a covariance
+objective's selection barely acts (trainer.starvation_note), naming the numbers and only advice that could help, and
+the stops after steps with a non-finite loss or with no response scored."""
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,7 +73,8 @@ def bare_trainer(cfg):
     """A Trainer without actors: what its step checks (`_check_step`) read."""
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.starvation_said = cfg, False
-    trainer._starved_run = trainer._nonfinite_run = 0
+    trainer._starved_run = trainer._nonfinite_run = trainer._unscored_run = 0
+    trainer.reward = SimpleNamespace(last_error="KeyError: 'solution'")  # the driver handle's newest first error
     return trainer
 
 
@@ -99,3 +103,26 @@ def test_the_run_stops_after_max_nonfinite_steps_skipped_in_a_row():
     trainer._check_step(0, clean)
     with pytest.raises(RuntimeError, match=r"^1 consecutive RL steps .* stopping at step 1"):
         trainer._check_step(1, skipped)
+
+
+def test_the_run_stops_after_max_failed_steps_in_which_the_verifier_scored_nothing():
+    trainer = bare_trainer(config("grpo", "--reward.max_failed_steps", "2"))
+    failed, some = {"reward/scored_frac": 0.0}, {"reward/scored_frac": 0.25}
+    for step, metrics in enumerate([failed, some, failed, {}]):
+        trainer._check_step(step, metrics)  # a step with any response scored (or no reward metrics) restarts it
+    trainer._check_step(4, failed)
+    with pytest.raises(RuntimeError) as error:
+        trainer._check_step(5, failed)
+    message = str(error.value)
+    assert message.startswith("the verifier 'math' raised or timed out on every response of 2 consecutive RL steps")
+    assert "stopping at step 5 (--reward.max_failed_steps)" in message
+    assert "Its last error: KeyError: 'solution'." in message
+    trainer = bare_trainer(config("grpo"))  # default 3; a run of timeouts alone has no error to name
+    trainer.reward.last_error = None
+    for step in range(2):
+        trainer._check_step(step, failed)
+    with pytest.raises(RuntimeError, match=r"3 consecutive .* Its last error: none: every response timed out"):
+        trainer._check_step(2, failed)
+    trainer = bare_trainer(config("grpo", "--reward.max_failed_steps", "0"))  # 0: never stops
+    for step in range(20):
+        trainer._check_step(step, failed)

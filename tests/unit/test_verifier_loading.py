@@ -92,6 +92,17 @@ def test_openrlhf_file(tmp_path):
     assert [r["logs"] for r in results] == [{"n_chars": 4.0}, {"n_chars": 4.0}]
 
 
+def test_openrlhf_file_gets_the_decoded_sequence_when_the_item_holds_it(tmp_path):
+    v = load_verifier(str(write(tmp_path, "rm.py", OPENRLHF)))
+    seen = {}
+    v.fn = lambda queries, prompts, labels: seen.update(queries=queries, prompts=prompts) or [1.0, 1.0]
+    decoded = "<|im_start|>user\nQ:<|im_end|>\n<|im_start|>assistant\n42<|im_end|>"
+    v.score([(*item("42", "42", prompt="Q:"), decoded), item("41", "42", prompt="Q:")], timeout_s=5)
+    assert seen == {"queries": [decoded, "Q:41"], "prompts": ["Q:", "Q:"]}  # without it: prompt + response
+    per_sample = load_verifier(f"{write(tmp_path, 'mine.py', PER_SAMPLE)}:exact")  # ignores it
+    assert [r["reward"] for r in per_sample.score([(*item("5"), decoded)], timeout_s=5)] == [1.0]
+
+
 def test_openrlhf_function_named_explicitly(tmp_path):
     v = load_verifier(f"{write(tmp_path, 'rm.py', OPENRLHF)}:reward_func")
     assert v.batched is True
@@ -348,7 +359,8 @@ def test_the_example_openrlhf_math_file_scores_as_the_math_verifier_does():
     v = load_verifier(str(path))
     assert v.batched is True
     prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
-    responses = ["So \\boxed{4}.<|im_end|>", "It is \\boxed{5}.", "no answer at all"]
+    responses = ["So \\boxed{4}.<|im_end|>", "It is \\boxed{5}.", "no answer at all", "Answer: 4<|im_end|>"]
     results = v.score([(r, "4", prompt, {}) for r in responses], 5.0)
-    assert [r["reward"] for r in results] == [math_verifier(r, "4")["reward"] for r in responses] == [1.0, 0.0, 0.0]
-    assert [r["logs"]["format_ok"] for r in results] == [1.0, 1.0, 0.0] and results[0]["acc"] is True
+    want = [1.0, 0.0, 0.0, 1.0]
+    assert [r["reward"] for r in results] == [math_verifier(r, "4")["reward"] for r in responses] == want
+    assert [r["logs"]["format_ok"] for r in results] == [1.0, 1.0, 0.0, 1.0] and results[0]["acc"] is True

@@ -18,6 +18,11 @@ class RewardConfig(Section):
     )
     num_workers: int = _f(2, "verifier worker actors")
     timeout_s: float = _f(5.0, "per-sample verifier deadline; a timeout scores 0")
+    max_failed_steps: int = _f(
+        3, "stop after this many consecutive steps in which the verifier raised or timed out on every response "
+        "(reward/scored_frac 0): a verifier broken for real responses would otherwise train on all-zero rewards "
+        "(0 = never stop)",
+    )  # fmt: skip
     num_cpus_per_worker: float = _f(0.25, "Ray CPUs per verifier worker")
     custom_resources: dict = _f({}, _CUSTOM_HELP.format(what="verifier worker", example='{"cpu_pool": 1}'))
     overlong_buffer_len: int = _f(
@@ -32,6 +37,7 @@ class RewardConfig(Section):
             + _failed(
                 (self.num_workers >= 1, "reward.num_workers", "must be >= 1"),
                 (0 < self.timeout_s < math.inf, "reward.timeout_s", f"{self.timeout_s:g} must be > 0 and finite"),
+                (self.max_failed_steps >= 0, "reward.max_failed_steps", "must be >= 0 (0 = never stop)"),
                 (self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", "must be >= 0 (0 = off)"),
                 (self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", "must be >= 0"),
             )
