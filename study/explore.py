@@ -50,11 +50,16 @@ MIDWAY = 25  # the policy version evaluated midway
 PRIMARY_K = 32
 SECONDARY_KS = (1, 64)
 LAST = 10  # entropy is averaged over the last ten steps
-# The batches generated around the midway evaluation: with staleness 1 the evaluation of version 25 follows the
-# generation of batch 26 (beside training step 25, whose sync of version 26 could overtake it), one step of margin
-# either side. The final evaluation runs on the trainer's thread after the producer has ended: no race there.
+# The batches generated around the midway evaluation. With staleness 1 the evaluation of version 25 follows the
+# generation of batch 26, beside training step 25, whose sync of version 26 could overtake it; or that of batch 25,
+# when version 25 arrived before it (always in a run resumed from its step-25 checkpoint), and then no sync can
+# overtake it, since training step 25 waits for batch 25, queued after the evaluation. One step of margin either
+# side. The final evaluation runs on the trainer's thread after the producer has ended: no race there.
 RISK_STEPS = range(MIDWAY - 1, MIDWAY + 3)
-PRODUCER_TIMES = ("time/sync", "time/reward", "time/reference")  # the producer's time per batch beside time/rollout
+# Added to a batch's `time/rollout`: scoring it, its reference log-probs where logged, and `time/sync`, which under
+# the collective sync these runs use holds the trainer's broadcast after the step (the producer's own sync takes no
+# time there): it is not the producer's, and is added only as margin.
+PRODUCER_TIMES = ("time/sync", "time/reward", "time/reference")
 SEED_DIR = re.compile(r"(explore_\w+?)_seed(\d+)")
 Curve = list[tuple[int, Estimate]]  # (k, pass@k over the seeds), k ascending
 
@@ -109,9 +114,10 @@ def final_entropy(run: Run) -> float:
 def steps_at_risk(run: Run) -> list[int] | None:
     """The steps at which the code the runs used (7d6c542) could have evaluated the next version under this one's
     label (study/notebook.md, amended before the analysis): among the batches generated around the midway
-    evaluation (steps RISK_STEPS), those whose sync, generation and scoring (`time/sync` + `time/rollout` +
-    `time/reward`, and `time/reference` where logged) took longer than either training step that could have run
-    beside them (`time/train` of the same step or the one before). None when the run logged no timings."""
+    evaluation (steps RISK_STEPS), those whose generation and scoring (`time/rollout` + `time/reward`, and
+    `time/reference` where logged), plus `time/sync` as margin, took longer than either training step that could
+    have run beside them (`time/train` of the same step or the one before). A step of the window without these
+    timings counts as at risk. None when the run logged no timings at all."""
     try:
         rollout = dict(zip(*run.pairs("step", "time/rollout")))
         train = dict(zip(*run.pairs("step", "time/train")))

@@ -114,7 +114,6 @@ class RewardGroup:
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.timeout_s = timeout_s
         self.stuck_grace_s = stuck_grace_s
-        self.last_error: str | None = None  # the first error of the newest batch, if the verifier raised
         self._lock = threading.Lock()  # one score() at a time; the driver calls it from a background thread
         # SPREAD: on a multi-node cluster the verifier load goes to every node rather than piling onto one
         self.workers = [
@@ -237,7 +236,6 @@ class RewardGroup:
     def _metrics(self, results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
         rewards = [r["reward"] for r in results]
         errors = [r["error"] for r in results if r["error"]]
-        self.last_error = errors[0] if errors else None  # named by the trainer if every sample keeps failing
         if errors:
             n = len(results)
             logger.warning(

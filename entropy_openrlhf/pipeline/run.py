@@ -36,6 +36,7 @@ from entropy_openrlhf.pipeline.tracking import Tracker, summarize
 from entropy_openrlhf.pipeline.trainer import Trainer
 from entropy_openrlhf.samples import PromptItem
 from rewards import Verifier, VerifierLoadError, load_verifier, probe
+from rewards.loader import Item
 
 T = TypeVar("T")
 
@@ -128,20 +129,27 @@ def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
         check_prompt_lengths(path, items, tokenizer, cfg)
         test_items += items
     first_path = train_path if train_items else (test_paths[0] if test_paths else "")
-    probe_verifier(verifier, cfg, first_path, (train_items or test_items)[:1])
+    probe_verifier(verifier, cfg, first_path, (train_items or test_items)[:1], tokenizer)
     return model_path, train_items, test_items
 
 
-def probe_verifier(verifier: Verifier, cfg: Config, path: str, first: list[PromptItem]) -> None:
+def probe_verifier(verifier: Verifier, cfg: Config, path: str, first: list[PromptItem], tokenizer) -> None:
     """The verifier tried on the first row, its own label given as the response, before any actor starts. A result
     of the wrong shape (a dict without its reward, an OpenRLHF file's short list) would fail every sample of the
     run: refused, naming the row. Any other error may be this response's own (a label is rarely in the answer
-    format a verifier parses): said in one line, since one that every response raises scores every sample 0."""
+    format a verifier parses): said in one line, since one that every response raises scores every sample 0. An
+    OpenRLHF file gets its query as a run builds it (actors/reward.py, verifier_items): the prompt and the label's
+    tokens, ended by the end-of-turn token, decoded with their special tokens."""
     if not first:
         return
     item = first[0]
     metadata = {**item.metadata, "data_source": item.data_source, "response_tokens": 1, "finish_reason": "stop"}
-    problem, every_sample = probe(verifier, (str(item.label), item.label, item.prompt, metadata), cfg.reward.timeout_s)
+    tried: Item = (str(item.label), item.label, item.prompt, metadata)
+    if verifier.batched:
+        ids = tokenizer(item.prompt + str(item.label), add_special_tokens=False)["input_ids"]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        tried += (tokenizer.decode(ids + eos, skip_special_tokens=False),)
+    problem, every_sample = probe(verifier, tried, cfg.reward.timeout_s)
     where = f"verifier {cfg.reward.verifier!r} on the first row of {path}, given its label as the response"
     if every_sample:
         raise VerifierLoadError(f"{where}: {problem}; every sample would fail so (docs/guides/verifiers.md)")

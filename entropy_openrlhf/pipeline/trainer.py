@@ -317,11 +317,11 @@ class Trainer(Checkpointing, NodeLossHandling):
         else:
             self._maybe_evaluate(final=True)
 
-    def _check_step(self, step: int, metrics: dict[str, float]) -> None:
+    def _check_step(self, step: int, metrics: dict[str, float], samples: list[Sample]) -> None:
         """What a step's metrics say about the run: the objective's selection starved for STARVED_STEPS steps in a
         row (a hint, printed once per run); optimizer steps skipped for a non-finite loss for
         --train.max_nonfinite_steps steps in a row, or the verifier failing on every response for
-        --reward.max_failed_steps steps in a row (the run stops)."""
+        --reward.max_failed_steps steps in a row (the run stops, naming the error of one of the step's `samples`)."""
         starved = metrics.get("loss/select_starved") == 1.0
         self._starved_run = self._starved_run + 1 if starved else 0
         if self._starved_run == STARVED_STEPS and not self.starvation_said:
@@ -341,7 +341,8 @@ class Trainer(Checkpointing, NodeLossHandling):
         self._unscored_run = self._unscored_run + 1 if unscored else 0
         limit = self.cfg.reward.max_failed_steps
         if unscored and limit and self._unscored_run >= limit:
-            last = getattr(self.reward, "last_error", None)
+            # from this step's own samples: the reward group has scored the next batch (or an evaluation) since
+            last = next((x.reward_info["error"] for x in samples if x.reward_info.get("error")), None)
             raise RuntimeError(
                 f"the verifier {self.cfg.reward.verifier!r} raised or timed out on every response of "
                 f"{self._unscored_run} consecutive RL steps (reward/errors, reward/timeouts); stopping at step {step} "
@@ -413,7 +414,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 evaluations = self._take_evaluations()
                 if evaluations:  # the newest in this step's row; any older one in a row of its own at the same step
                     metrics.update(evaluations.pop())
-                self._check_step(step, metrics)
+                self._check_step(step, metrics, flat)
                 history.append({"step": step, **metrics})
                 if tracker is not None:
                     self._log_step(tracker, step, metrics, evaluations, flat)

@@ -133,13 +133,12 @@ def test_exception_and_hang_score_zero_and_the_worker_carries_on(ray_cluster, fl
         assert out[0].reward_info == {"tag": "a", "timed_out": False, "error": None}
         assert metrics["reward/errors"] == 2 and metrics["reward/timeouts"] == 1
         assert metrics["reward/scored_frac"] == pytest.approx(4 / 7)  # the two raises and the hang were not scored
-        assert group.last_error == "RuntimeError: boom on purpose"
         assert "first error: RuntimeError: boom on purpose" in caplog.text
         # the hang was cut inside the worker: no restart, each sample checked exactly once
         assert all(calls(calls_dir, r) == responses.count(r) for r in set(responses))
         out, metrics = group.score(make_samples(["e"], ["e"], calls_dir))  # the same workers still serve
         assert out[0].reward == 1.0 and metrics["reward/errors"] == 0
-        assert metrics["reward/scored_frac"] == 1.0 and group.last_error is None  # the newest batch's
+        assert metrics["reward/scored_frac"] == 1.0
     finally:
         group.shutdown()
 

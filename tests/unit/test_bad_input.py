@@ -202,6 +202,20 @@ def test_a_verifier_raising_on_its_label_as_a_response_is_noted_not_refused(mode
     assert train_items and "note: verifier" in out and "AttributeError" in out and "reward/errors" in out
 
 
+def test_an_openrlhf_file_is_probed_with_the_query_a_run_gives_it(model, tmp_path, capsys):
+    """The probe's query holds the special tokens, as in a run: a reward file that cuts the response at the
+    end-of-turn token (and raises without one) passes it without a note."""
+    cutting = tmp_path / "rm.py"
+    cutting.write_text(
+        "def reward_func(queries, prompts, labels):\n"  # str.index raises where the token is missing
+        "    return [float(q.rsplit('assistant', 1)[1].index('<|im_end|>') > 0) for q in queries]\n"
+    )
+    cfg = from_args(["--preset", "smoke", "--pretrain", model, "--train.output_dir", str(tmp_path / "out"),
+                     "--reward.verifier", str(cutting)])  # fmt: skip
+    _, train_items, _ = prepare(cfg)
+    assert train_items and "note: verifier" not in capsys.readouterr().out
+
+
 def test_evaluate_script_names_a_missing_test_set_before_ray(model, tmp_path, capsys, no_ray):
     evaluate_main = runpy.run_path(str(ROOT / "scripts" / "evaluate.py"))["main"]
     missing = tmp_path / "aime.jsonl"

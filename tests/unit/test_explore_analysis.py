@@ -230,3 +230,15 @@ def test_a_run_missing_a_timing_around_the_midway_evaluation_is_not_cleared(expe
     del rows[26]["time/rollout"]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[5]["explore_kl_cov"]) == [26]
+
+
+def test_the_race_check_counts_the_reference_and_flags_a_step_without_its_training_time(experiment):
+    folder = experiment["dir"] / "explore_grpo_seed6"
+    # step 25: 20 s of generation and scoring, plus 40 s of reference log-probs, outlasts the 55 s training steps
+    timed(folder, {25: {"time/reference": 40.0}})
+    assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[6]["explore_grpo"]) == [25]
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    del rows[25]["time/reference"], rows[26]["time/train"], rows[27]["time/train"]  # step 27: neither 26 nor 27
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert explore.steps_at_risk(explore.find_pairs(experiment["dir"])[6]["explore_grpo"]) == [27]

@@ -74,7 +74,6 @@ def bare_trainer(cfg):
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.starvation_said = cfg, False
     trainer._starved_run = trainer._nonfinite_run = trainer._unscored_run = 0
-    trainer.reward = SimpleNamespace(last_error="KeyError: 'solution'")  # the driver handle's newest first error
     return trainer
 
 
@@ -82,12 +81,12 @@ def test_the_run_says_it_once_after_three_starved_steps_in_a_row(capsys):
     trainer = bare_trainer(config("kl_cov"))
     starved = {**SPREAD, "loss/select_starved": 1.0}
     for step, metrics in enumerate([starved, starved, {**SPREAD, "loss/select_starved": 0.0}, starved, starved]):
-        trainer._check_step(step, metrics)
+        trainer._check_step(step, metrics, [])
     assert capsys.readouterr().out == ""  # never three in a row yet
-    trainer._check_step(5, starved)
+    trainer._check_step(5, starved, [])
     assert "floor(0.002 x ~80 tokens)) was one token" in capsys.readouterr().out
     for step in range(6, 12):
-        trainer._check_step(step, starved)
+        trainer._check_step(step, starved, [])
     assert capsys.readouterr().out == ""  # once per run
 
 
@@ -95,34 +94,39 @@ def test_the_run_stops_after_max_nonfinite_steps_skipped_in_a_row():
     trainer = bare_trainer(config("grpo", "--train.max_nonfinite_steps", "2"))
     skipped, clean = {"train/skipped_steps": 1.0}, {"train/skipped_steps": 0.0}
     for step, metrics in enumerate([skipped, clean, skipped]):
-        trainer._check_step(step, metrics)  # a clean step in between starts the count again
+        trainer._check_step(step, metrics, [])  # a clean step in between starts the count again
     with pytest.raises(RuntimeError, match=r"^2 consecutive RL steps .* stopping at step 3 \(--train.max_nonfin"):
-        trainer._check_step(3, skipped)
+        trainer._check_step(3, skipped, [])
     # at 0 the first skipped step stops the run, and a clean one never does
     trainer = bare_trainer(config("grpo", "--train.max_nonfinite_steps", "0"))
-    trainer._check_step(0, clean)
+    trainer._check_step(0, clean, [])
     with pytest.raises(RuntimeError, match=r"^1 consecutive RL steps .* stopping at step 1"):
-        trainer._check_step(1, skipped)
+        trainer._check_step(1, skipped, [])
+
+
+def failed(error: str | None) -> SimpleNamespace:
+    """A sample the verifier failed on: raised `error`, or timed out (None)."""
+    return SimpleNamespace(reward_info={"error": error, "timed_out": error is None})
 
 
 def test_the_run_stops_after_max_failed_steps_in_which_the_verifier_scored_nothing():
     trainer = bare_trainer(config("grpo", "--reward.max_failed_steps", "2"))
-    failed, some = {"reward/scored_frac": 0.0}, {"reward/scored_frac": 0.25}
-    for step, metrics in enumerate([failed, some, failed, {}]):
-        trainer._check_step(step, metrics)  # a step with any response scored (or no reward metrics) restarts it
-    trainer._check_step(4, failed)
+    none_scored, some = {"reward/scored_frac": 0.0}, {"reward/scored_frac": 0.25}
+    raised = [failed(None), failed("KeyError: 'solution'"), failed("KeyError: 'solution'")]
+    for step, metrics in enumerate([none_scored, some, none_scored, {}]):
+        trainer._check_step(step, metrics, raised)  # a step with any response scored (or no reward metrics) restarts
+    trainer._check_step(4, none_scored, raised)
     with pytest.raises(RuntimeError) as error:
-        trainer._check_step(5, failed)
+        trainer._check_step(5, none_scored, raised)
     message = str(error.value)
     assert message.startswith("the verifier 'math' raised or timed out on every response of 2 consecutive RL steps")
     assert "stopping at step 5 (--reward.max_failed_steps)" in message
-    assert "Its last error: KeyError: 'solution'." in message
-    trainer = bare_trainer(config("grpo"))  # default 3; a run of timeouts alone has no error to name
-    trainer.reward.last_error = None
+    assert "Its last error: KeyError: 'solution'." in message  # the step's own first error, past its timeouts
+    trainer = bare_trainer(config("grpo"))  # default 3; a step of timeouts alone has no error to name
     for step in range(2):
-        trainer._check_step(step, failed)
+        trainer._check_step(step, none_scored, raised)
     with pytest.raises(RuntimeError, match=r"3 consecutive .* Its last error: none: every response timed out"):
-        trainer._check_step(2, failed)
+        trainer._check_step(2, none_scored, [failed(None)] * 3)
     trainer = bare_trainer(config("grpo", "--reward.max_failed_steps", "0"))  # 0: never stops
     for step in range(20):
-        trainer._check_step(step, failed)
+        trainer._check_step(step, none_scored, raised)
