@@ -23,6 +23,7 @@ from typing import TypeVar
 import ray
 from transformers import AutoTokenizer
 
+from entropy_openrlhf.actors.reward import verifier_items
 from entropy_openrlhf.cluster import in_working_dir_copy, init_ray, joins_cluster
 from entropy_openrlhf.cluster_fit import check_nodes, cluster_snapshot, fit_cluster
 from entropy_openrlhf.config import Config, ConfigError, validate
@@ -34,9 +35,8 @@ from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint, resume_poin
 from entropy_openrlhf.pipeline.faults import NodeLostError
 from entropy_openrlhf.pipeline.tracking import Tracker, summarize
 from entropy_openrlhf.pipeline.trainer import Trainer
-from entropy_openrlhf.samples import PromptItem
+from entropy_openrlhf.samples import PromptItem, Sample
 from rewards import Verifier, VerifierLoadError, load_verifier, probe
-from rewards.loader import Item
 
 T = TypeVar("T")
 
@@ -138,17 +138,21 @@ def probe_verifier(verifier: Verifier, cfg: Config, path: str, first: list[Promp
     of the wrong shape (a dict without its reward, an OpenRLHF file's short list) would fail every sample of the
     run: refused, naming the row. Any other error may be this response's own (a label is rarely in the answer
     format a verifier parses): said in one line, since one that every response raises scores every sample 0. An
-    OpenRLHF file gets its query as a run builds it (actors/reward.py, verifier_items): the prompt and the label's
-    tokens, ended by the end-of-turn token, decoded with their special tokens."""
+    OpenRLHF file gets its query as a run builds it (verifier_items): the prompt and the label's tokens, ended by the
+    end-of-turn token, decoded with their special tokens."""
     if not first:
         return
     item = first[0]
-    metadata = {**item.metadata, "data_source": item.data_source, "response_tokens": 1, "finish_reason": "stop"}
-    tried: Item = (str(item.label), item.label, item.prompt, metadata)
-    if verifier.batched:
-        ids = tokenizer(item.prompt + str(item.label), add_special_tokens=False)["input_ids"]
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        tried += (tokenizer.decode(ids + eos, skip_special_tokens=False),)
+    # the label as a response that stopped at the end-of-turn token, made into the verifier's item as a run makes it
+    response_ids = tokenizer(str(item.label), add_special_tokens=False)["input_ids"]
+    response_ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sample = Sample(
+        prompt_index=item.index, prompt=item.prompt,
+        prompt_token_ids=tokenizer(item.prompt, add_special_tokens=False)["input_ids"], response=str(item.label),
+        response_token_ids=response_ids, rollout_log_probs=[0.0] * len(response_ids), label=item.label,
+        policy_version=0, finish_reason="stop", data_source=item.data_source, metadata=dict(item.metadata),
+    )  # fmt: skip
+    [tried] = verifier_items([sample], tokenizer if verifier.batched else None)
     problem, every_sample = probe(verifier, tried, cfg.reward.timeout_s)
     where = f"verifier {cfg.reward.verifier!r} on the first row of {path}, given its label as the response"
     if every_sample:
