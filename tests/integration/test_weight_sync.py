@@ -238,9 +238,12 @@ class TestCollectiveSync:
         assert per_engine[0] == per_engine[1] and max_diff(per_engine[0], trained[:1]) < 1e-3
         assert [ray.get(a.get_version.remote()) for a in engines.actors] == [6, 6]
 
-    def test_chunked_object_store_sync_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
-        """As on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): every chunk crosses vLLM's msgspec RPC as bytes. At
-        0.02 MiB the tiny model (about 0.5 MB) goes in many chunks and its embedding is split."""
+    def test_both_syncs_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
+        """vLLM's default on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): the engine's worker lives in the engine
+        core's process, not the Ray actor's. The chunked object-store sync sends every chunk across vLLM's msgspec
+        RPC as bytes (at 0.02 MiB the tiny model, about 0.5 MB, goes in many chunks and its embedding is split); the
+        collective sync's receiving rank joins the group from that process. One engine serves both (one start).
+        Last in the class: the policy's ranks then hold this sync's group, not the shared one's."""
         from entropy_openrlhf.actors.rollout import RolloutGroup
 
         policy.train_step(fixed_batch(seed=2), 5)  # weights no engine has seen
@@ -250,40 +253,24 @@ class TestCollectiveSync:
         )  # fmt: skip
         try:
             assert ray.get(engines.actors[0].engine_core_in_process.remote()) is False
-            before = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
             trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
-            assert max_diff(before, trained) > 1e-2  # a stale engine fails the check below
+            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) > 1e-2  # stale: fails below
             sync = ObjectStoreSync(engines, policy, timeout_s=120, max_chunk_mb=0.02)
             sync.publish(1)  # the trainer's two calls: export, then load before the next generation
             assert sync.engine_version == 0 and sync.make_current() > 0 and sync.engine_version == 1
             chunking = sync.last_chunking
             assert chunking["chunks"] >= 10 and chunking["split_tensors"] >= 1, chunking
-            after = engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS)
-            assert max_diff(after, trained) < 1e-3
-            assert ray.get(engines.actors[0].get_version.remote()) == 1
-        finally:
-            engines.shutdown()
-
-    def test_collective_sync_with_the_engine_core_in_its_own_process(self, policy, tiny_model):
-        """vLLM's default on GPU nodes (VLLM_ENABLE_V1_MULTIPROCESSING=1): the engine's worker, which joins the
-        group and receives the broadcast, lives in the engine core's process, not the Ray actor's. Last in the
-        class: the policy's ranks then hold this sync's group, not the shared one's."""
-        from entropy_openrlhf.actors.rollout import RolloutGroup
-
-        policy.train_step(fixed_batch(seed=3), 6)  # weights no engine has seen
-        engines = RolloutGroup(
-            tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512,
-            env_vars={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-        )  # fmt: skip
-        try:
-            assert ray.get(engines.actors[0].engine_core_in_process.remote()) is False
-            trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
-            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) > 1e-2
-            sync = CollectiveSync(engines, policy)
-            assert build(sync, timeout_s=60) < 60 and sync.describe() == "collective over gloo, 2 ranks"
-            broadcast(sync, 1, timeout_s=60)
             assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) < 1e-3
             assert ray.get(engines.actors[0].get_version.remote()) == 1
+
+            policy.train_step(fixed_batch(seed=3), 6)  # new weights again, now sent over the collective
+            trained = policy.call_all("forward_log_probs", PROMPT_IDS, RESPONSE_IDS)[0]
+            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) > 1e-2
+            collective = CollectiveSync(engines, policy)
+            assert build(collective, timeout_s=60) < 60 and collective.describe() == "collective over gloo, 2 ranks"
+            broadcast(collective, 2, timeout_s=60)
+            assert max_diff(engines.sequence_log_probs(PROMPT_IDS, RESPONSE_IDS), trained) < 1e-3
+            assert ray.get(engines.actors[0].get_version.remote()) == 2
         finally:
             engines.shutdown()
 
