@@ -12,7 +12,8 @@ Printed:
 - the five secondary endpoints as one Holm family: each arm's pass@32 minus the base model's (one number, so a
   one-sample t over that arm's runs), the paired differences in pass@1 and pass@64, and the paired log ratio of
   entropy over the last ten steps;
-- the same pass@k at the midway evaluation (step 25), described and not tested;
+- each arm's pass@1, pass@32 and pass@64 of the final weights and of the midway ones (step 25), described and not
+  tested;
 - every pair's numbers, seed by seed;
 - a check that no run had a step at which its code could have evaluated the wrong weights (study/notebook.md).
 
@@ -167,12 +168,22 @@ def read_base(path: Path) -> dict[int, float]:
     return {int(m.group(1)): float(v) for name, v in values.items() if (m := re.fullmatch(r"eval/pass@(\d+)", name))}
 
 
+class Described(NamedTuple):
+    """One pass@k described, not tested: each arm's mean over the pairs and the paired difference, KL-Cov - GRPO."""
+
+    name: str
+    grpo: Estimate
+    kl_cov: Estimate
+    difference: Estimate
+
+
 class Analysis(NamedTuple):
     seeds: list[int]
     primary: Test
     secondary: list[Test]
     holm_p: list[float]
-    midway: list[tuple[str, Estimate, Estimate, Estimate]]  # (pass@k, grpo, kl_cov, difference)
+    final: list[Described]  # the final weights' pass@1, @32, @64, each arm beside the other
+    midway: list[Described]  # the same at step 25
     per_seed: list[dict[str, float]]
 
 
@@ -205,15 +216,21 @@ def analyse(pairs: dict[int, dict[str, Run]], base: dict[int, float]) -> Analysi
     ]  # fmt: skip
     # a p-value is None only when no pair differs: such a test cannot reject, so it enters Holm's family at 1
     holm_p = holm([1.0 if t.t_p is None else t.t_p for t in secondary])
-    midway = []
+    return Analysis(list(pairs), primary, secondary, holm_p, described(rows, "final"), described(rows, "mid"), rows)
+
+
+def described(rows: list[dict[str, float]], when: str) -> list[Described]:
+    """pass@1, @32 and @64 of each arm's weights `when` ("final" or "mid") over the pairs, and KL-Cov - GRPO: a
+    description beside the tests, testing nothing; a k is left out where some run has no such evaluation."""
+    out = []
     for k in (1, PRIMARY_K, 64):
-        values = [[r[f"{arm}:mid@{k}"] for r in rows] for arm in ARMS]
+        values = [[r[f"{arm}:{when}@{k}"] for r in rows] for arm in ARMS]
         if all(v is not None for arm_values in values for v in arm_values):
-            midway.append((
+            out.append(Described(
                 f"pass@{k}", mean_interval(values[0], (0.0, 1.0)), mean_interval(values[1], (0.0, 1.0)),
                 mean_interval(np.subtract(values[1], values[0]), (-1.0, 1.0)),
             ))  # fmt: skip
-    return Analysis(list(pairs), primary, secondary, holm_p, midway, rows)
+    return out
 
 
 def pass_at_k_by_arm(pairs: dict[int, dict[str, Run]], ks: list[int]) -> dict[str, dict[str, Curve]]:
@@ -252,17 +269,21 @@ def report(a: Analysis, base: dict[int, float]) -> list[str]:
         "",
         "Primary endpoint (final weights), mean [95% t-interval], t-test p, exact sign test p:",
         f"  {a.primary.name}: {fmt_estimate(a.primary.estimate)}  t p = {fmt_p(a.primary.t_p)}  "
-        f"sign p = {fmt_p(a.primary.sign_p)}  ({int(np.sum(a.primary.differences > 0))} of {n} pairs above 0)",
+        f"sign p = {fmt_p(a.primary.sign_p)}  ({int(np.sum(a.primary.differences > 0))} of {n} pairs above 0; "
+        f"SD of the differences {np.std(a.primary.differences, ddof=1):.3f}, against the 0.08 the power was computed "
+        "for)",
         "",
         "Secondary endpoints, one Holm family of five:",
     ]
     for t, adjusted in zip(a.secondary, a.holm_p):
         lines.append(f"  {t.name}: {fmt_estimate(t.estimate)}  t p = {fmt_p(t.t_p)}  Holm p = {fmt_p(adjusted)}  "
-                     f"sign p = {fmt_p(t.sign_p)}")  # fmt: skip
-    if a.midway:
-        lines += ["", "Midway (step 25), described, not tested: GRPO, KL-Cov, KL-Cov - GRPO"]
-        for name, g, k, d in a.midway:
-            lines.append(f"  {name}: {fmt_estimate(g, '.3f')}, {fmt_estimate(k, '.3f')}, {fmt_estimate(d)}")
+                     f"sign p = {fmt_p(t.sign_p)}  ({int(np.sum(t.differences > 0))} of {n} above 0)")  # fmt: skip
+    for title, rows in (("Final weights", a.final), (f"Midway (step {MIDWAY})", a.midway)):
+        if rows:
+            lines += ["", f"{title}, described, not tested: GRPO, KL-Cov, KL-Cov - GRPO"]
+            for d in rows:
+                lines.append(f"  {d.name}: {fmt_estimate(d.grpo, '.3f')}, {fmt_estimate(d.kl_cov, '.3f')}, "
+                             f"{fmt_estimate(d.difference)}")  # fmt: skip
     grpo, kl = ARMS
     lines += ["", f"Per seed: pass@{PRIMARY_K} GRPO / KL-Cov (final), entropy GRPO / KL-Cov (last {LAST} steps)"]
     for r in a.per_seed:

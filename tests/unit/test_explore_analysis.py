@@ -101,6 +101,24 @@ def test_the_midway_evaluation_is_described_from_step_25(experiment):
     assert diff.mean == pytest.approx((experiment["kl32_mid"] - experiment["grpo32_mid"]).mean())
 
 
+def test_the_final_weights_are_described_beside_the_tests_and_the_report_gives_the_counts(experiment, capsys):
+    a = explore.analyse(explore.find_pairs(experiment["dir"]),
+                        explore.read_base(experiment["dir"] / "explore_base" / "metrics.json"))  # fmt: skip
+    final = {d.name: d for d in a.final}
+    assert list(final) == ["pass@1", "pass@32", "pass@64"]
+    for k in (1, 64):
+        assert final[f"pass@{k}"].grpo.mean == pytest.approx(experiment[f"grpo{k}"].mean())
+        assert final[f"pass@{k}"].kl_cov.mean == pytest.approx(experiment[f"kl{k}"].mean())
+    assert final["pass@32"].difference.mean == pytest.approx(a.primary.estimate.mean)
+    assert explore.main(["--runs", str(experiment["dir"])]) == 0
+    out = capsys.readouterr().out
+    d = experiment["kl32"] - experiment["grpo32"]
+    assert f"({int(np.sum(d > 0))} of 7 pairs above 0; SD of the differences {d.std(ddof=1):.3f}," in out
+    entropy = np.log(experiment["kl_h"]) - np.log(experiment["grpo_h"])
+    assert f"({int(np.sum(entropy > 0))} of 7 above 0)" in out.split("last 10 steps:")[1].splitlines()[0]
+    assert "Final weights, described, not tested" in out and "Midway (step 25), described, not tested" in out
+
+
 def test_the_report_marks_fewer_pairs_than_planned_as_preliminary(experiment, capsys):
     for seed in (6, 7):
         (experiment["dir"] / f"explore_kl_cov_seed{seed}" / "metrics.jsonl").unlink()
