@@ -46,6 +46,7 @@ from study.stats import Estimate, holm, mean_interval, sign_test_p, t_test_p
 ARMS = ("explore_grpo", "explore_kl_cov")  # the baseline first: differences are the second minus the first
 SEEDS = tuple(range(1, 8))  # the design's seven pairs
 PAIRS_PLANNED = len(SEEDS)
+PLANNED_SD = 0.08  # the spread of the paired pass@32 differences the stated power was computed for
 STEPS = 50  # each run's training steps: its final weights are policy version 50
 MIDWAY = 25  # the policy version evaluated midway
 PRIMARY_K = 32
@@ -270,8 +271,8 @@ def report(a: Analysis, base: dict[int, float]) -> list[str]:
         "Primary endpoint (final weights), mean [95% t-interval], t-test p, exact sign test p:",
         f"  {a.primary.name}: {fmt_estimate(a.primary.estimate)}  t p = {fmt_p(a.primary.t_p)}  "
         f"sign p = {fmt_p(a.primary.sign_p)}  ({int(np.sum(a.primary.differences > 0))} of {n} pairs above 0; "
-        f"SD of the differences {np.std(a.primary.differences, ddof=1):.3f}, against the 0.08 the power was computed "
-        "for)",
+        f"SD of the differences {np.std(a.primary.differences, ddof=1):.3f}, against the {PLANNED_SD} the power was "
+        "computed for)",
         "",
         "Secondary endpoints, one Holm family of five:",
     ]
