@@ -75,6 +75,24 @@ def in_working_dir_copy(cwd: str) -> bool:
     return "runtime_resources" in parts and "working_dir_files" in parts
 
 
+def resolve_output_dir(given: str, cwd: str, run_name: str) -> str:
+    """The absolute output folder for `--train.output_dir` as given ("" when the flag was not given). Not given, it is
+    outputs/run under `cwd`, except inside Ray's copy of a job's working dir, which Ray deletes with the job: there it
+    is ~/entropy-openrlhf/outputs/run, which outlives the job and resolves the same way on a resume. A relative folder
+    the user gave inside that copy is refused (ValueError): it would be lost, and no other reading of it is safe."""
+    in_copy = in_working_dir_copy(cwd)
+    if not given:
+        root = Path.home() / "entropy-openrlhf" if in_copy else Path(cwd)
+        return str(root / "outputs" / "run")
+    if not os.path.isabs(given) and in_copy:
+        raise ValueError(
+            f"--train.output_dir {given!r} is relative, and this job runs in Ray's copy of its --working-dir ({cwd}), "
+            f"which Ray deletes with its session: give an absolute path, on storage every node can reach, e.g. "
+            f"--train.output_dir /shared/runs/{run_name} (or leave the flag out for ~/entropy-openrlhf/outputs/run)"
+        )
+    return os.path.normpath(os.path.join(cwd, given))
+
+
 def init_ray(num_cpus: int | None = None, object_store_bytes: int | None = None) -> bool:
     """Join the cluster this process was submitted to (`ray job submit`, RAY_ADDRESS) or start a local one on
     127.0.0.1. Returns True when this call started Ray (the caller then owns it and shuts it down)."""

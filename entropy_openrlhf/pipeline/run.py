@@ -24,7 +24,7 @@ import ray
 from transformers import AutoTokenizer
 
 from entropy_openrlhf.actors.reward import verifier_items
-from entropy_openrlhf.cluster import in_working_dir_copy, init_ray, joins_cluster
+from entropy_openrlhf.cluster import init_ray, joins_cluster, resolve_output_dir
 from entropy_openrlhf.cluster_fit import check_nodes, cluster_snapshot, fit_cluster
 from entropy_openrlhf.config import Config, ConfigError, validate
 from entropy_openrlhf.data.arith_task import write_builtin_task
@@ -263,16 +263,13 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         cfg.logger.run_name = f"{pipeline}-{time.strftime('%Y%m%d-%H%M%S')}"
     # Relative to the job's working directory, which on a cluster is a private copy on each node: made absolute
     # here, and checked below to be the same folder on every node that writes to it.
-    given_output_dir = cfg.train.output_dir
-    cfg.train.output_dir = os.path.abspath(cfg.train.output_dir)
     joining, started = joins_cluster(), False
     try:
-        if not os.path.isabs(given_output_dir) and in_working_dir_copy(os.getcwd()):
-            raise ConfigError(
-                f"--train.output_dir {given_output_dir!r} is relative, and this job runs in Ray's copy of its "
-                f"--working-dir ({os.getcwd()}), which Ray deletes with its session: give an absolute path, on "
-                f"storage every node can reach, e.g. --train.output_dir /shared/runs/{cfg.logger.run_name}"
-            )
+        try:
+            cfg.train.output_dir = resolve_output_dir(cfg.train.output_dir, os.getcwd(), cfg.logger.run_name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(f"[entropy-openrlhf] output folder: {cfg.train.output_dir}", flush=True)
         if joining:  # connecting starts no actor; the node count decides where a built-in model is written
             init_ray()
         multi_node = joining and sum(1 for n in ray.nodes() if n.get("Alive")) > 1

@@ -189,6 +189,34 @@ def test_a_relative_output_dir_inside_a_jobs_working_dir_copy_is_refused(model, 
     assert code == 2 and "is relative" not in err and "nope.py" in err, err
 
 
+def test_no_output_dir_inside_a_jobs_working_dir_copy_lands_under_home(model, tmp_path, capsys, no_ray, monkeypatch):
+    """`ray job submit --working-dir . -- python pipelines/kl_cov.py --preset smoke` gives no output flag: the default
+    must not be the refused relative folder, but one outside Ray's copy that outlives the job, said at start."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    copy = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    code = main(["--preset", "smoke", "--pretrain", model, "--reward.verifier", "nope.py:f"], "kl_cov")
+    printed = capsys.readouterr()
+    assert code == 2 and "is relative" not in printed.err and "nope.py" in printed.err, printed.err
+    assert f"output folder: {home}/entropy-openrlhf/outputs/run" in printed.out, printed.out
+    assert not (copy / "outputs").exists()
+
+
+def test_resolve_output_dir():
+    from entropy_openrlhf.cluster import resolve_output_dir
+
+    copy = "/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_ab"
+    home = os.path.expanduser("~")
+    assert resolve_output_dir("", "/repo", "r") == "/repo/outputs/run"
+    assert resolve_output_dir("", copy, "r") == f"{home}/entropy-openrlhf/outputs/run"
+    assert resolve_output_dir("runs/a", "/repo", "r") == "/repo/runs/a"
+    assert resolve_output_dir("/abs/b", copy, "r") == "/abs/b"
+    with pytest.raises(ValueError, match="'runs/a' is relative.*--train.output_dir /shared/runs/r"):
+        resolve_output_dir("runs/a", copy, "r")
+
+
 def test_a_verifier_raising_on_its_label_as_a_response_is_noted_not_refused(model, tmp_path, capsys):
     """A verifier that parses a format the label is not in (an <answer> tag) raises on the probe's response: that
     may be the response's own fault, so the run is told, not stopped."""

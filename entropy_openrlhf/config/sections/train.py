@@ -21,7 +21,12 @@ class TrainConfig(Section):
         "(verl's ppo_epochs, OpenRLHF's --train.max_epochs, TRL's num_iterations; the paper's recipe: 1)",
     )
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
-    output_dir: str = _f("outputs/run", "checkpoints, the final HF model and the W&B folder go here")
+    output_dir: str = _f(
+        "",
+        "checkpoints, the final HF model, metrics.jsonl and the W&B folder go here. Not given: outputs/run under the "
+        "current folder, or ~/entropy-openrlhf/outputs/run under `ray job submit --working-dir` (Ray deletes its "
+        "copy of the working dir with the job); a relative folder given there is refused",
+    )
     save_every: int = _f(0, "checkpoint every N steps (0 = only the final model)")
     keep_checkpoints: int = _f(
         2, "keep the newest N complete checkpoints, delete older ones (0 = keep all; a 7B one is ~120 GB)"
