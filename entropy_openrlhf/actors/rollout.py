@@ -17,14 +17,8 @@ import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from entropy_openrlhf.actors.engine import (
-    WORKER_EXTENSION,
-    RolloutActor,
-    RolloutEngine,
-    StaleEngineError,
-    engine_tuning_kwargs,
-    prompt_seed,
-)
+from entropy_openrlhf.actors.engine import WORKER_EXTENSION, RolloutActor, RolloutEngine, StaleEngineError
+from entropy_openrlhf.actors.engine_settings import engine_tuning_kwargs, prompt_seed
 from entropy_openrlhf.actors.group import ActorGroup
 from entropy_openrlhf.actors.reaper import REAP_TIMEOUT_S, reap_recorded_task
 from entropy_openrlhf.config import Config
