@@ -274,6 +274,8 @@ class StreamLoop:
         finished: list[TokenResult] = []
         with self.lock:
             version = self.version_of()
+            if not self._active and self._stale_cache_before is not None and self.engine.reset_prefix_cache():
+                self._stale_cache_before = None  # nothing holds the old blocks any more: new requests read none
             for request in incoming:
                 self._add(request)
                 stale = self._stale_cache_before
@@ -294,8 +296,6 @@ class StreamLoop:
                 outputs = self.engine.step()
                 self.steps += 1
                 finished += self._record(outputs, version)
-            if not self._active and self._stale_cache_before is not None and self.engine.reset_prefix_cache():
-                self._stale_cache_before = None  # nothing holds the old blocks any more
         return finished
 
     def _record(self, outputs: list, version: int) -> list[TokenResult]:
