@@ -8,7 +8,9 @@ Two protocols, both reported when `eval.n_samples` > 1:
   A policy that still explores finds answers a collapsed one no longer samples; pass@k for large k shows it where
   greedy accuracy cannot. Per source and averaged over sources: `pass@k` for k = 1, 2, 4, ... n (the unbiased
   estimator), `maj@n` (majority vote over the verifier's extracted answers, `reward_info["pred"]`), and 95%
-  bootstrap intervals over prompts for pass@1 and pass@n (`pass@1_ci95_low` / `_high`).
+  bootstrap intervals over prompts for pass@1 and pass@n (`pass@1_ci95_low` / `_high`), and per source the
+  count of correct responses of each prompt (`eval/<source>/correct_counts`, a list in prompt-index order: what a
+  later analysis needs to resample prompts and samples, or to set pass@k beside a chance baseline).
 The aime/amc sources' sampled responses serve both protocols: they are generated once.
 """
 
@@ -27,7 +29,7 @@ def _source(s: Sample | PromptItem) -> str:
     return s.data_source or "default"
 
 
-def evaluate(rollout, reward, items: list[PromptItem], cfg: Config) -> dict[str, float]:
+def evaluate(rollout, reward, items: list[PromptItem], cfg: Config) -> dict[str, float | list[int]]:
     """Every eval metric of `items` (module docstring); {} when there are none."""
     n = max(1, cfg.eval.n_samples)
     competition = [p for p in items if p.data_source.lower() in SAMPLED_SOURCES]
@@ -65,9 +67,12 @@ def evaluate(rollout, reward, items: list[PromptItem], cfg: Config) -> dict[str,
     return out
 
 
-def pass_at_k_metrics(samples: list[Sample], n: int, resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+def pass_at_k_metrics(
+    samples: list[Sample], n: int, resamples: int = 1000, seed: int = 0
+) -> dict[str, float | list[int]]:
     """pass@k, maj@n and the bootstrap intervals of pass@1 and pass@n, per source and averaged over sources, from
-    `n` scored responses per prompt."""
+    `n` scored responses per prompt; per source also each prompt's count of correct responses (0..n), in the order
+    of the prompts' index, `eval/<source>/correct_counts`."""
     by_prompt: dict[tuple[str, int], list[Sample]] = defaultdict(list)
     for s in samples:
         by_prompt[(_source(s), s.prompt_index)].append(s)
@@ -75,16 +80,18 @@ def pass_at_k_metrics(samples: list[Sample], n: int, resamples: int = 1000, seed
     ks = pass_at_k_ladder(n)
     # per source, per k: the per-prompt values whose mean is the metric
     values: dict[str, dict[str, list[float]]] = {src: defaultdict(list) for src in sources}
-    for (src, _), group in by_prompt.items():
+    counts: dict[str, list[tuple[int, int]]] = defaultdict(list)  # per source: (prompt index, correct responses)
+    for (src, index), group in by_prompt.items():
         if len(group) != n:
             raise ValueError(f"pass@k: prompt {group[0].prompt_index} of {src!r} has {len(group)} responses, not {n}")
         correct = sum(bool(s.acc) for s in group)
+        counts[src].append((index, correct))
         for k in ks:
             values[src][f"pass@{k}"].append(pass_at_k(n, correct, k))
         answers = [s.reward_info.get("pred") if isinstance(s.reward_info, dict) else None for s in group]
         values[src][f"maj@{n}"].append(float(majority_correct(answers, [bool(s.acc) for s in group])))
 
-    out: dict[str, float] = {}
+    out: dict[str, float | list[int]] = {}
     for name in [f"pass@{k}" for k in ks] + [f"maj@{n}"]:
         means = [sum(values[src][name]) / len(values[src][name]) for src in sources]
         for src, mean in zip(sources, means):
@@ -96,4 +103,6 @@ def pass_at_k_metrics(samples: list[Sample], n: int, resamples: int = 1000, seed
             out[f"eval/{src}/{name}_ci95_low"], out[f"eval/{src}/{name}_ci95_high"] = low, high
         low, high = bootstrap_interval([values[src][name] for src in sources], resamples=resamples, seed=seed)
         out[f"eval/{name}_ci95_low"], out[f"eval/{name}_ci95_high"] = low, high
+    for src in sources:
+        out[f"eval/{src}/correct_counts"] = [c for _, c in sorted(counts[src])]
     return out

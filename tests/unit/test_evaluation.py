@@ -185,6 +185,29 @@ def test_pass_at_k_maj_and_intervals_per_source_and_averaged():
     assert out["eval/aime/pass@4_ci95_low"] == out["eval/aime/pass@4_ci95_high"] == 1.0  # both prompts solved
     assert out["eval/pass@1_ci95_low"] < out["eval/pass@1_ci95_high"]
     assert "eval/pass@2_ci95_low" not in out  # intervals for pass@1 and pass@n only
+    # each prompt's correct count, per source in prompt-index order: the counts the pass@k above were made from
+    assert out["eval/math/correct_counts"] == counts["math"] and out["eval/aime/correct_counts"] == counts["aime"]
+    assert "eval/correct_counts" not in out  # per source only: prompts of two sources are not one list
+
+
+def test_correct_counts_follow_the_prompt_index_whatever_order_the_responses_come_in():
+    # the engines may return the groups in any order; the counts are listed by prompt index, and what the record
+    # keeps is enough to recompute every pass@k it reports
+    n = 3
+    answers = {5: ["y", "y", "n"], 2: ["n", "n", "n"], 9: ["y", "y", "y"], 7: ["n", "y", "n"]}
+
+    class Shuffled(RecordingRollout):
+        def generate(self, items, **kw):
+            out = super().generate(items, **kw)
+            random.Random(3).shuffle(out)
+            return out
+
+    items = [item(i, "arith_l3", "y") for i in (9, 2, 7, 5)]  # not in index order either
+    out = evaluate(Shuffled(answers), LabelIsAnswer(), items, from_args(["--eval.n_samples", str(n)]))
+    assert out["eval/arith_l3/correct_counts"] == [0, 2, 1, 3]  # prompts 2, 5, 7, 9
+    for k in (1, 2, 3):
+        want = np.mean([brute_force_pass_at_k(n, c, k) for c in out["eval/arith_l3/correct_counts"]])
+        assert out[f"eval/arith_l3/pass@{k}"] == pytest.approx(want)
 
 
 def test_bootstrap_interval_covers_the_truth_about_95_percent_of_the_time():
