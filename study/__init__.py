@@ -9,4 +9,9 @@ tables.py     the report's descriptive tables (markdown): values per method, see
 inference.py  the report's paired comparisons with their p-values and power, Holm's correction and the mechanism
               check
 plot_runs.py  the command line: python -m study.plot_runs LABEL=PATH ... (from the repository root)
+explore.py    the exploration experiment's analysis, as fixed before its runs: python -m study.explore
+corrections.py  the write-up's corrections of 2026-12-02 (study/notebook.md, "Corrections"): python -m
+              study.corrections
+entropy_curve.py  exploratory: KL-Cov's (entropy, accuracy) points against GRPO's fitted entropy law: python -m
+              study.entropy_curve
 """
