@@ -46,6 +46,11 @@ class Sample:
     # multi-turn response); empty = every token, filled in on construction
     response_mask: list[int] = field(default_factory=list)
     ref_log_probs: list[float] | None = None  # the reference model's log-prob of each response token, when it runs
+    # streamed (--rollout.mode stream|partial): the policy version that sampled each response token (a partial
+    # rollout's span two or more; `policy_version` is then the oldest), and how many were sampled while part of
+    # their context's KV came from older weights (rollout/stale_kv_token_frac)
+    token_versions: list[int] | None = None
+    stale_kv_tokens: int = 0
     # filled by the reward group
     reward: float = 0.0
     acc: bool = False
@@ -59,7 +64,7 @@ class Sample:
     def check(self, where: str) -> None:
         """Raise ValueError, naming `where` and the field, unless the per-token fields line up with the response."""
         n = len(self.response_token_ids)
-        for name in ("rollout_log_probs", "response_mask", "ref_log_probs"):
+        for name in ("rollout_log_probs", "response_mask", "ref_log_probs", "token_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{where}: {name} has {len(values)} values for {n} response tokens")

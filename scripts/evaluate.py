@@ -49,12 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     from entropy_openrlhf.actors.reward import RewardGroup
     from entropy_openrlhf.actors.rollout import RolloutGroup
     from entropy_openrlhf.cluster import init_ray
+    from entropy_openrlhf.rollouts import ThroughRolloutFunction, get_rollout
 
     started = init_ray(cfg.ray.num_cpus)
     rollout = RolloutGroup.from_config(cfg, model_path)  # the engines as training runs them (GPUs, dtype, vLLM flags)
     reward = RewardGroup.from_config(cfg, model_path)
     try:
-        result = evaluate(rollout, reward, items, cfg)
+        # held-out prompts rolled out by --rollout.function, as in training
+        engines = ThroughRolloutFunction(get_rollout(cfg.rollout.function), rollout, cfg.rollout.function)
+        result = evaluate(engines, reward, items, cfg)
     finally:
         rollout.shutdown()
         reward.shutdown()

@@ -159,6 +159,9 @@ class RolloutGroup(ActorGroup):
             lora_rank=cfg.actor.lora_rank
             if resolve_method(cfg.sync.method, cfg.actor.lora_rank > 0) == "adapter"
             else 0,
+            # --rollout.mode stream|partial: token-id requests one sample at a time (actors/engine_stream.py)
+            streaming=r.mode != "batch",
+            partial_kv=r.partial_kv,
         )
 
     def generate(

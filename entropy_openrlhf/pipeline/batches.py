@@ -32,14 +32,16 @@ class PromptStream:
         return order
 
     def next_batch(self) -> list[PromptItem]:
-        out = []
-        while len(out) < self.batch_size:
-            if self.offset >= len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self.items[self._order[self.offset]])
-            self.offset += 1
-        return out
+        return [self.next_prompt() for _ in range(self.batch_size)]
+
+    def next_prompt(self) -> PromptItem:
+        """The next prompt (a streaming producer draws them one group at a time)."""
+        if self.offset >= len(self._order):
+            self.epoch, self.offset = self.epoch + 1, 0
+            self._order = self._make_order()
+        item = self.items[self._order[self.offset]]
+        self.offset += 1
+        return item
 
 
 def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:

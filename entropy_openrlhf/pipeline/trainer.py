@@ -44,33 +44,11 @@ from entropy_openrlhf.pipeline.checkpoints import Checkpointing
 from entropy_openrlhf.pipeline.evaluation import evaluate
 from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
 from entropy_openrlhf.pipeline.placement import actor_node_ids, addresses_by_group
-from entropy_openrlhf.rollouts import RolloutRequest, check_groups, get_rollout
+from entropy_openrlhf.pipeline.run_notes import STARVED_STEPS, eval_due, starvation_note
+from entropy_openrlhf.pipeline.streaming import StreamProducer
+from entropy_openrlhf.rollouts import RolloutRequest, ThroughRolloutFunction, check_groups, get_rollout
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
-
-STARVED_STEPS = 3  # consecutive steps in which a covariance selection sits at its floor before the run says so
-
-
-def starvation_note(cfg: Config, metrics: dict[str, float]) -> str | None:
-    """What the run prints once when, for STARVED_STEPS steps in a row, every micro-batch of the objective selected
-    nothing or only its one-token floor (`metrics`: the last such step's). Steps without any signal are named as
-    such, whatever the objective; otherwise the objective says what is true of its own floor (its `run_note`)."""
-    if metrics.get("cov/max", 0.0) == 0.0 and metrics.get("cov/p99", 0.0) == 0.0:
-        # every advantage was 0: each group's samples scored alike (all wrong, say), which no objective setting
-        # changes, so no objective's advice would help these steps
-        return (
-            f"[entropy-openrlhf] {cfg.loss.type} selected nothing for {STARVED_STEPS} steps: every token's "
-            "covariance was 0 in the last of them: all advantages were 0, each group's samples scoring alike, so "
-            "there was nothing to select and no gradient for any objective. Easier prompts or more samples per "
-            "prompt (--rollout.n_samples_per_prompt) give groups that differ."
-        )
-    return get_objective(cfg.loss.type).run_note(getattr(cfg.loss, cfg.loss.type), metrics)
-
-
-def eval_due(version: int, every: int, initial: bool) -> bool:
-    """Whether weights of `version` are evaluated in training (the final weights always are): every `every`
-    versions, version 0 only with `initial` (the base model is often evaluated once, apart from the runs)."""
-    return every > 0 and version % every == 0 and (version > 0 or initial)
 
 
 class Trainer(Checkpointing, NodeLossHandling):
@@ -158,9 +136,17 @@ class Trainer(Checkpointing, NodeLossHandling):
         check_groups(groups, request, cfg.rollout.function)
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + time.time() - t0
         t0 = time.time()
-        samples, reward_metrics = self.reward.score([s for g in groups for s in g])
+        samples, reward_metrics = self.score_samples([s for g in groups for s in g])
         metrics["time/reward"] = metrics.get("time/reward", 0.0) + time.time() - t0
-        if cfg.reward.overlong_buffer_len:  # DAPO's soft penalty, in training only: evaluation scores the verifier's
+        reward_rounds.append((len(samples), reward_metrics))
+        return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+    def score_samples(self, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        """The reward group's scores of training samples, with DAPO's soft overlong penalty added when it is on (in
+        training only: evaluation scores the verifier's), and their `reward/*` metrics. Any thread may call it."""
+        cfg = self.cfg
+        samples, reward_metrics = self.reward.score(samples)
+        if cfg.reward.overlong_buffer_len:
             penalties = [
                 overlong_penalty(len(s.response_token_ids), cfg.rollout.max_new_tokens,
                                  cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
@@ -170,8 +156,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 s.reward += penalty
                 s.reward_info["overlong_penalty"] = penalty
             reward_metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
-        reward_rounds.append((len(samples), reward_metrics))
-        return [samples[i : i + n] for i in range(0, len(samples), n)]
+        return samples, reward_metrics
 
     def _make_batch(self, step: int) -> Batch:
         cfg = self.cfg
@@ -214,18 +199,23 @@ class Trainer(Checkpointing, NodeLossHandling):
         # trainer thread may be under way): the weights evaluated are the version logged.
         with self.sync.engine_lock:
             version = self.sync.engine_version
-            if final and version != self.latest_version:
-                return
-            if not final and not eval_due(version, cfg.eval.every, cfg.eval.initial):
-                return
-            if version in self.evaluated:  # two batches may be generated with the same weights
+            fresh = version == self.latest_version and version not in self.evaluated
+            if not (fresh if final else self.eval_wanted(version)):
                 return
             self.evaluated.add(version)
             t0 = time.time()
-            result = evaluate(self.rollout, self.reward, self.test_items, cfg)  # prepare() cut each test set
+            engines = ThroughRolloutFunction(self.rollout_fn, self.rollout, cfg.rollout.function)
+            result = evaluate(engines, self.reward, self.test_items, cfg)  # prepare() cut each test set
         result["time/eval"] = time.time() - t0
         with self._eval_lock:
             self.eval_results.append((version, result))
+
+    def eval_wanted(self, version: int) -> bool:
+        """Whether weights of `version` are due an evaluation in training and have not had it (two batches may be
+        generated with the same weights)."""
+        cfg = self.cfg
+        due = cfg.eval.every > 0 and bool(self.test_items) and eval_due(version, cfg.eval.every, cfg.eval.initial)
+        return due and version not in self.evaluated
 
     def _take_evaluations(self) -> list[dict[str, float]]:
         """The evaluations finished since the last call, oldest first, each with its `eval/policy_version`."""
@@ -364,7 +354,9 @@ class Trainer(Checkpointing, NodeLossHandling):
     def run(self, tracker=None, start_step: int = 0) -> list[dict[str, float]]:
         cfg = self.cfg
         self.start_step = self.latest_version = start_step
-        producer = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+        # --rollout.mode batch: a batch per generate call (_produce); stream | partial: groups streamed (streaming.py)
+        produce = self._produce if cfg.rollout.mode == "batch" else StreamProducer(self).run
+        producer = threading.Thread(target=produce, name="rollout-producer", daemon=True)
         producer.start()
         # A lost node fails the calls to its actors at once, but which node it was only Ray's verdict tells. Watched
         # when some actor runs on another node than the driver: if the driver's own node goes, the driver goes too.

@@ -1,34 +1,52 @@
-"""Rollout functions: how the trainer turns a batch of prompts into groups of responses (`--rollout.function`).
+"""Rollout functions: how the trainer turns prompts into groups of responses (`--rollout.function`).
 
-The trainer asks the function named by `--rollout.function` for one group of samples per prompt; the default,
-`single_turn`, is one generation per response. A new way of rolling out (multi-turn with tools, partial rollouts)
-is a function registered here or named by its import path, with nothing else in the trainer to change:
+In `--rollout.mode batch` the trainer asks the function named by `--rollout.function` for one group of samples per
+prompt of a batch; in `stream` and `partial` mode it runs that name's per-group coroutine for each prompt, many at
+once, over the streaming engines (engines.py). The default, `single_turn`, is one generation per response, in both
+forms. A new way of rolling out (multi-turn with tools) is a function registered here or named by its import path,
+with nothing else in the trainer to change:
 
-    from entropy_openrlhf.rollouts import RolloutRequest, register_rollout
+    from entropy_openrlhf.rollouts import GroupRequest, register_group_rollout
 
-    @register_rollout("my_loop")
-    def my_loop(engines, request: RolloutRequest) -> list[list[Sample]]:
-        ...  # engines.generate(...) as often as needed; mark tokens the policy did not choose with response_mask 0
+    @register_group_rollout("my_loop")
+    async def my_loop(engines, prompt: PromptItem, request: GroupRequest) -> list[Sample]:
+        ...  # await engines.generate(TokenRequest(...)) as often as needed; tokens the policy did not choose
+        ...  # get response_mask 0
 """
 
 from entropy_openrlhf.rollouts.base import (
+    GROUP_ROLLOUTS,
     ROLLOUTS,
     Engines,
+    GroupRequest,
+    GroupRolloutFn,
     RolloutFn,
     RolloutRequest,
+    ThroughRolloutFunction,
+    TokenEngines,
     check_groups,
+    get_group_rollout,
     get_rollout,
+    register_group_rollout,
     register_rollout,
 )
-from entropy_openrlhf.rollouts.single_turn import single_turn
+from entropy_openrlhf.rollouts.single_turn import single_turn, single_turn_group
 
 __all__ = [
+    "GROUP_ROLLOUTS",
     "ROLLOUTS",
     "Engines",
+    "GroupRequest",
+    "GroupRolloutFn",
     "RolloutFn",
     "RolloutRequest",
+    "ThroughRolloutFunction",
+    "TokenEngines",
     "check_groups",
+    "get_group_rollout",
     "get_rollout",
+    "register_group_rollout",
     "register_rollout",
     "single_turn",
+    "single_turn_group",
 ]

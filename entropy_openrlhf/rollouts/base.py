@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from entropy_openrlhf.actors.engine_stream import TokenRequest, TokenResult
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
@@ -52,6 +53,55 @@ RolloutFn = Callable[[Engines, RolloutRequest], list[list[Sample]]]
 ROLLOUTS: dict[str, RolloutFn] = {}
 
 
+class TokenEngines(Protocol):
+    """What a group rollout coroutine uses of the streaming engines (rollouts/engines.py::StreamEngines)."""
+
+    async def generate(self, request: TokenRequest) -> TokenResult: ...
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """How to roll out one prompt's group in `--rollout.mode stream|partial`."""
+
+    prompt_token_ids: list[int]  # the prompt as the policy reads it: tokenised once, never again
+    n: int  # responses: the group size
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int | None  # the group's: its j-th response is seeded seed + j (what vLLM gives an n-sample request)
+    tag: str  # unique among the requests in flight (a request id is f"{tag}-{j}")
+
+
+# A group rollout: one prompt's n samples, as a coroutine over the streaming engines. Many run at once.
+GroupRolloutFn = Callable[[TokenEngines, PromptItem, GroupRequest], Awaitable[list[Sample]]]
+
+GROUP_ROLLOUTS: dict[str, GroupRolloutFn] = {}
+
+
+def register_group_rollout(name: str) -> Callable[[GroupRolloutFn], GroupRolloutFn]:
+    """Decorator: registers a group rollout coroutine under `name` (`--rollout.function` in stream and partial
+    mode)."""
+
+    def wrap(fn: GroupRolloutFn) -> GroupRolloutFn:
+        if name in GROUP_ROLLOUTS:
+            raise ValueError(f"group rollout {name!r} is registered twice")
+        GROUP_ROLLOUTS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_group_rollout(name: str) -> GroupRolloutFn:
+    """The group rollout coroutine `--rollout.function` names in stream and partial mode. Raises ValueError naming
+    the flags and what is registered."""
+    if name not in GROUP_ROLLOUTS:
+        raise ValueError(
+            f"--rollout.function {name!r} has no per-group coroutine, which --rollout.mode stream and partial need: "
+            f"those are {', '.join(GROUP_ROLLOUTS)} (or --rollout.mode batch)"
+        )
+    return GROUP_ROLLOUTS[name]
+
+
 def register_rollout(name: str) -> Callable[[RolloutFn], RolloutFn]:
     """Decorator: registers a rollout function under `name` (the value of `--rollout.function`)."""
 
@@ -83,6 +133,30 @@ def get_rollout(name: str) -> RolloutFn:
             f"--rollout.function {name!r}: registered are {', '.join(ROLLOUTS)}, or give package.module:function{hint}"
         )
     return ROLLOUTS[name]
+
+
+class ThroughRolloutFunction:
+    """The engines' `generate`, answered by a rollout function: what evaluation calls, so that held-out prompts are
+    rolled out by `--rollout.function` as the training prompts are."""
+
+    def __init__(self, fn: RolloutFn, engines: Engines, name: str):
+        self.fn, self.engines, self.name = fn, engines, name
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None,
+        policy_version: int,
+    ) -> list[Sample]:
+        request = RolloutRequest(prompts, n, temperature, top_p, max_new_tokens, seed, policy_version)
+        groups = self.fn(self.engines, request)
+        check_groups(groups, request, self.name)
+        return [s for g in groups for s in g]
 
 
 def check_groups(groups: list[list[Sample]], request: RolloutRequest, name: str) -> None:

@@ -141,6 +141,65 @@ class RankSender:
         """Release what the sender holds (a group, a store); it may be opened again."""
 
 
+class EngineGate:
+    """The sync's `engine_lock`. `with gate:` is exclusive: a sync writing into the engines, or a batch generation
+    (`--rollout.mode batch`). In `--rollout.mode stream` every group in flight holds a share instead
+    (`try_share` / `unshare`, which never block: the producer runs them in its event loop), and a sync that waits for
+    the gate admits no new share, so the engines drain and the sync goes in between two groups (vLLM's "wait")."""
+
+    def __init__(self, timeout_s: float = 3600.0):
+        # a sync waits at most this long for the gate: the longest a generation or a group in flight may take
+        # (the trainer sets --rollout.generate_timeout_s plus a margin)
+        self.timeout_s = timeout_s
+        self._cv = threading.Condition()
+        self._exclusive = False
+        self._waiting = 0
+        self._shares = 0
+
+    def acquire(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shares:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"the engines' gate: waited {self.timeout_s:g} s for "
+                            + (f"{self._shares} group(s) in flight to finish" if self._shares else "a generation")
+                            + " before changing the engines' weights (--rollout.generate_timeout_s)"
+                        )
+                    self._cv.wait(timeout=min(left, 5.0))
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+
+    def release(self) -> None:
+        with self._cv:
+            self._exclusive = False
+            self._cv.notify_all()
+
+    def __enter__(self) -> EngineGate:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def try_share(self) -> bool:
+        """A share for one group in flight, unless a sync holds the gate or waits for it."""
+        with self._cv:
+            if self._exclusive or self._waiting:
+                return False
+            self._shares += 1
+            return True
+
+    def unshare(self) -> None:
+        with self._cv:
+            self._shares -= 1
+            self._cv.notify_all()
+
+
 class WeightSyncTimeoutError(TimeoutError):
     """An engine did not finish loading new weights in time (hung, busy on a long call, or starved of CPU)."""
 
@@ -194,7 +253,7 @@ class WeightSync(ABC):
     ):
         self.rollout, self.policy, self.timeout_s, self.max_chunk_mb = rollout, policy, timeout_s, max_chunk_mb
         self.policy_busy_s = policy_busy_s
-        self.engine_lock = threading.Lock()
+        self.engine_lock = EngineGate()
         self.metrics: dict[str, float] = {}  # timings a sync on the trainer thread measured, logged with its step
         rollout.weight_sync = self
 

@@ -116,7 +116,8 @@ def test_from_config_passes_every_engine_setting_of_the_config(monkeypatch):
         "--model.dtype", "bf16", "--rollout.max_model_len", "2048", "--rollout.generate_timeout_s", "99",
         "--ray.placement_timeout_s", "11", "--ray.start_timeout_s", "22", "--rollout.gpu_memory_utilization", "0.7",
         "--rollout.enforce_eager", "true", "--rollout.enable_prefix_caching", "false", "--rollout.max_num_seqs", "64",
-        "--rollout.max_num_batched_tokens", "4096", "--actor.lora_rank", "16",
+        "--rollout.max_num_batched_tokens", "4096", "--actor.lora_rank", "16", "--rollout.mode", "partial",
+        "--rollout.partial_kv", "recompute",
     ])  # fmt: skip
     rollout.RolloutGroup.from_config(cfg, "/m", env_vars={"X": "1"})
     assert seen.pop("model_path") == "/m" and seen.pop("env_vars") == {"X": "1"}  # overrides reach __init__
@@ -126,6 +127,7 @@ def test_from_config_passes_every_engine_setting_of_the_config(monkeypatch):
         "generate_timeout_s": 99, "placement_timeout_s": 11, "start_timeout_s": 22, "gpu_memory_utilization": 0.7,
         "enforce_eager": "true", "enable_prefix_caching": False, "max_num_seqs": 64, "max_num_batched_tokens": 4096,
         "lora_rank": 16,  # a LoRA run's auto sync sends the adapter: the engines serve it
+        "streaming": True, "partial_kv": "recompute",  # --rollout.mode partial: token-id requests, one sample each
     }  # fmt: skip
     assert set(seen) == params, params ^ set(seen)  # a new engine argument must be taken from the config here too
     # the merged sync (collective, object_store) sends whole weights: the engines serve no adapter

@@ -12,7 +12,7 @@ import pytest
 from entropy_openrlhf.algorithms.metrics import bootstrap_interval, majority_correct, pass_at_k, pass_at_k_ladder
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.evaluation import evaluate
-from entropy_openrlhf.pipeline.trainer import eval_due
+from entropy_openrlhf.pipeline.run_notes import eval_due
 from entropy_openrlhf.samples import PromptItem, Sample
 
 

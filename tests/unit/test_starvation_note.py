@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from entropy_openrlhf.config import from_args
-from entropy_openrlhf.pipeline.trainer import Trainer, starvation_note
+from entropy_openrlhf.pipeline.run_notes import starvation_note
+from entropy_openrlhf.pipeline.trainer import Trainer
 from entropy_openrlhf.presets import PIPELINES
 
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
-from entropy_openrlhf.rollouts import ROLLOUTS, get_rollout
+from entropy_openrlhf.rollouts import ROLLOUTS, get_group_rollout, get_rollout
+
+ROLLOUT_MODES = ("batch", "stream", "partial")
 
 
 @dataclass
@@ -54,12 +56,29 @@ class RolloutConfig(Section):
         + " | ".join(ROLLOUTS)
         + ") or package.module:function (entropy_openrlhf/rollouts)",
     )
+    mode: str = _f(
+        "batch",
+        "batch: each step's prompts in one generate call, weights synced between calls | stream: groups sent to the "
+        "engines continuously and scored as each finishes, finished groups buffered for the trainer, a weight sync "
+        "waiting for the requests in flight | partial: as stream, but a sync freezes the requests in flight, loads the "
+        "new weights and resumes them, so a response may be sampled by two or more versions "
+        "(docs/guides/streaming.md)",
+        choices=ROLLOUT_MODES,
+    )
+    partial_kv: str = _f(
+        "keep",
+        "--rollout.mode partial: after weights change under a request in flight, keep the KV cache the old weights "
+        "computed (PipelineRL, prime-rl) or recompute it with the new ones (verl, AReaL): keep | recompute",
+        choices=("keep", "recompute"),
+    )
 
     def checks(self) -> list[str]:
         gmu, tp = self.gpu_memory_utilization, self.tensor_parallel_size
         try:
             get_rollout(self.function)
             function_error = ""
+            if self.mode != "batch":
+                get_group_rollout(self.function)
         except ValueError as e:
             function_error = str(e).removeprefix(f"--rollout.function {self.function!r}: ")
         return (
