@@ -48,8 +48,16 @@ def run(tmp_path, mode: str, staleness: int, steps: int, *extra: str):
 
 
 def test_partial_rollouts_train_on_samples_of_two_versions(ray_cluster, tmp_path):
-    cfg, history, trained = run(tmp_path, "partial", 2, 4)
+    """Partial rollouts end to end, with evaluation through the same group coroutine and engines in training (its
+    versions held while it runs) and of the final weights after the last step."""
+    evaluation = ("--eval.every", "2", "--eval.max_samples", "4", "--eval.n_samples", "2")
+    cfg, history, trained = run(tmp_path, "partial", 2, 4, *evaluation)
     assert [h["step"] for h in history] == [0, 1, 2, 3]
+    evals = [h for h in history if "eval/acc" in h]
+    versions = [h["eval/policy_version"] for h in evals]
+    assert versions[-1] == 4 and all(v % 2 == 0 for v in versions) and len(versions) >= 2, versions
+    for h in evals:
+        assert 0 <= h["eval/pass@1"] <= h["eval/pass@2"] <= 1 and h["eval/response_len"] > 0
     size = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     spanning = 0
     for (step, samples), h in zip(trained, history):
