@@ -65,6 +65,16 @@ def validate(cfg: Config) -> list[str]:
         "reward.overlong_buffer_len",
         f"{cfg.reward.overlong_buffer_len} is longer than --rollout.max_new_tokens {r.max_new_tokens}",
     )
+    # The built-in task brings its own test split, but only when it is the training data too (run.resolve_data):
+    # with --data.train and no --data.test there is nothing to evaluate, which a run would otherwise find out with
+    # one line among its start-up output and then train for days unevaluated (a preset's eval.every, say).
+    tests = [p for p in cfg.data.test.split(",") if p.strip()]
+    need(
+        not (cfg.eval.every > 0 and cfg.data.train and not tests),
+        "eval.every",
+        f"{cfg.eval.every} evaluates on --data.test, and none is given (with --data.train {cfg.data.train} the "
+        "built-in task's test split is not used): give --data.test, or --eval.every 0 to train without evaluating",
+    )
     # the schedule's length (actors/policy_engine.py, total_optimizer_steps): a warmup that long never reaches
     # --actor.lr, and past their end transformers' cosine schedules rise again
     total_steps = cfg.train.total_optimizer_steps

@@ -76,9 +76,7 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
             )
         tests = tests or [str(builtin_test)]
         cfg.data.input_key, cfg.data.label_key = "prompt", "label"
-    if need_train and cfg.eval.every > 0 and not tests:  # a preset's setting, say: said, not refused
-        print(f"[entropy-openrlhf] --eval.every {cfg.eval.every}: no --data.test is given, so nothing is evaluated",
-              flush=True)  # fmt: skip
+    # --eval.every with --data.train and no test set is refused before this (config/validation.py)
     for path in [train, *tests] if need_train else tests:
         validate_dataset(path, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
     return str(train), tests
