@@ -35,6 +35,8 @@ class _Engine:
     waiting: dict[str, tuple[TokenRequest, asyncio.Future]] = field(default_factory=dict)  # sent or to send
     outbox: list[TokenRequest] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    recovering: asyncio.Task | None = None  # one recovery at a time: its sender and its fetcher both see a death
+    incarnation: int = 0  # recoveries so far: a call made before the last one failed with the process it went to
 
 
 class StreamEngines:
@@ -99,10 +101,11 @@ class StreamEngines:
             batch = [r for r in batch if r.request_id in engine.waiting]  # a caller that timed out is gone
             if not batch:
                 continue
+            sent_to = engine.incarnation
             try:
                 await asyncio.wait_for(engine.actor.submit.remote(batch), timeout=ANSWER_S)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
-                await self._recover(i, f"failed while taking {len(batch)} request(s) ({type(e).__name__})")
+                await self._recover(i, f"failed while taking {len(batch)} request(s) ({type(e).__name__})", sent_to)
 
     async def _fetch(self, i: int) -> None:
         engine = self.engines[i]
@@ -110,27 +113,40 @@ class StreamEngines:
             if not engine.waiting:
                 await asyncio.sleep(0.01)
                 continue
+            asked = engine.incarnation
             try:
                 results = await asyncio.wait_for(engine.actor.poll.remote(POLL_S), timeout=POLL_S + ANSWER_S)
             except ray.exceptions.RayActorError as e:
-                await self._recover(i, f"died while generating ({type(e).__name__})")
+                await self._recover(i, f"died while generating ({type(e).__name__})", asked)
                 continue
             except asyncio.TimeoutError:
-                ray.kill(engine.actor, no_restart=False)  # a hang becomes a death, which Ray restarts
-                await self._recover(i, f"did not answer a poll within {POLL_S + ANSWER_S:.0f} s")
+                if asked == engine.incarnation:
+                    ray.kill(engine.actor, no_restart=False)  # a hang becomes a death, which Ray restarts
+                await self._recover(i, f"did not answer a poll within {POLL_S + ANSWER_S:.0f} s", asked)
                 continue
             for result in results:
                 entry = engine.waiting.get(result.request_id)
                 if entry is not None and not entry[1].done():
                     entry[1].set_result(result)
 
-    async def _recover(self, i: int, why: str) -> None:
+    async def _recover(self, i: int, why: str, incarnation: int) -> None:
         """Engine `i` died (or hung): wait until Ray has restarted it and the sync has reloaded it (in a thread: the
-        group's recover blocks, with its own deadlines), then send it everything it held again."""
+        group's recover blocks, with its own deadlines), then send it everything it held again. A second caller
+        while that runs waits for the same recovery; a call made to an `incarnation` already recovered from failed
+        with that process, and what it carried has been sent again."""
         if self._closing:
             return
         engine = self.engines[i]
+        if engine.incarnation != incarnation and (engine.recovering is None or engine.recovering.done()):
+            return
+        if engine.recovering is None or engine.recovering.done():
+            engine.recovering = asyncio.create_task(self._bring_back(i, why))
+        await asyncio.shield(engine.recovering)
+
+    async def _bring_back(self, i: int, why: str) -> None:
+        engine = self.engines[i]
         await asyncio.get_running_loop().run_in_executor(None, self.group.recover, i, why, True)
+        engine.incarnation += 1
         again = [request for request, future in engine.waiting.values() if not future.done()]
         self.resubmitted += len(again)
         engine.outbox = again + [r for r in engine.outbox if r.request_id not in {x.request_id for x in again}]
@@ -157,4 +173,3 @@ def read_stream_stats(group: RolloutGroup, timeout_s: float = ANSWER_S) -> list[
         late = [k for k, ref in enumerate(refs) if ref in pending]
         raise TimeoutError(f"rollout engine(s) {late} did not answer stream_stats within {timeout_s:.0f} s")
     return ray.get(refs, timeout=timeout_s)  # all done by now
-

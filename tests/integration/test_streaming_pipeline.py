@@ -2,6 +2,7 @@
 streaming token-id requests, DeepSpeed, verifier workers. Each step's samples are checked against the bound on their
 oldest token's version, and in partial mode some responses are sampled by two versions."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,49 @@ def test_partial_rollouts_train_on_samples_of_two_versions(ray_cluster, tmp_path
 
 
 def test_stream_mode_syncs_between_requests(ray_cluster, tmp_path):
-    """`stream`: a sync waits for the requests in flight, so no response spans two versions."""
-    cfg, history, trained = run(tmp_path, "stream", 1, 3)
+    """`stream`: a sync waits for the requests in flight, so no response spans two versions. Over the object-store
+    sync, whose loads the producer makes through the engines' gate (the partial test runs the collective one)."""
+    cfg, history, trained = run(tmp_path, "stream", 1, 3, "--sync.method", "object_store")
     assert [h["step"] for h in history] == [0, 1, 2]
     for step, samples in trained:
         for s in samples:
             assert len(set(s.token_versions)) == 1 and step - 1 <= s.policy_version <= step
         assert all(s.stale_kv_tokens == 0 for s in samples)
+
+
+def test_an_engine_killed_during_a_partial_rollout_loses_no_prompt(ray_cluster, tmp_path):
+    """The engine is killed while it holds requests: Ray restarts it, the sync reloads it, its requests are sent
+    again (counted), and the run trains every step on whole groups, no prompt twice."""
+    import ray
+
+    from entropy_openrlhf.pipeline import trainer as trainer_module
+
+    killed = []
+    take = trainer_module.Trainer._train_samples
+
+    def kill_once(self, batch, step=None):
+        if step == 1 and not killed:
+            engine = self.rollout.actors[0]
+            deadline = time.monotonic() + 60
+            while ray.get(engine.stream_stats.remote(), timeout=60)["in_flight"] == 0:
+                assert time.monotonic() < deadline, "the engine held no request for 60 s"
+                time.sleep(0.01)
+            ray.kill(engine, no_restart=False)
+            killed.append(step)
+        return take(self, batch, step)
+
+    trainer_module.Trainer._train_samples = kill_once
+    try:
+        cfg, history, trained = run(tmp_path, "partial", 2, 4)
+    finally:
+        trainer_module.Trainer._train_samples = take
+    assert killed == [1] and [h["step"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["rollout/resubmitted_requests"] > 0 and history[-1]["rollout/engine_restarts"] >= 1
+    seen = []
+    for _, samples in trained:
+        counts = {}
+        for s in samples:
+            counts[s.prompt_index] = counts.get(s.prompt_index, 0) + 1
+        assert set(counts.values()) == {cfg.rollout.n_samples_per_prompt}  # whole groups
+        seen += list(counts)
+    assert len(seen) == len(set(seen)), "a prompt was trained on twice"
