@@ -10,6 +10,7 @@ import pytest
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.main import prepare
 from entropy_openrlhf.pipeline.trainer import Trainer
+from entropy_openrlhf.sync.factory import resolve_method
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +90,9 @@ def test_stream_mode_syncs_between_requests(ray_cluster, tmp_path):
 
 def test_an_engine_killed_during_a_partial_rollout_loses_no_prompt(ray_cluster, tmp_path):
     """The engine is killed while it holds requests: Ray restarts it, the sync reloads it, its requests are sent
-    again (counted), and the run trains every step on whole groups, no prompt twice."""
+    again (counted), and the run trains every step on whole groups, no prompt twice. With LoRA, whose adapter sync
+    sends every request in flight again as its continuation on the new adapter (the engine cannot switch a running
+    request's adapter): responses still span versions, and each token's version is where the bound allows."""
     import ray
 
     from entropy_openrlhf.pipeline import trainer as trainer_module
@@ -110,16 +113,22 @@ def test_an_engine_killed_during_a_partial_rollout_loses_no_prompt(ray_cluster, 
 
     trainer_module.Trainer._train_samples = kill_once
     try:
-        cfg, history, trained = run(tmp_path, "partial", 2, 4)
+        cfg, history, trained = run(tmp_path, "partial", 2, 4, "--actor.lora_rank", "8")
     finally:
         trainer_module.Trainer._train_samples = take
+    assert resolve_method(cfg.sync.method, lora=True) == "adapter"
     assert killed == [1] and [h["step"] for h in history] == [0, 1, 2, 3]
     assert history[-1]["rollout/resubmitted_requests"] > 0 and history[-1]["rollout/engine_restarts"] >= 1
-    seen = []
-    for _, samples in trained:
+    seen, spanning = [], 0
+    for step, samples in trained:
         counts = {}
         for s in samples:
             counts[s.prompt_index] = counts.get(s.prompt_index, 0) + 1
         assert set(counts.values()) == {cfg.rollout.n_samples_per_prompt}  # whole groups
         seen += list(counts)
+        for s in samples:
+            assert s.token_versions == sorted(s.token_versions) and step - 2 <= s.token_versions[0]
+            assert len(s.token_versions) == len(s.response_token_ids) == len(s.rollout_log_probs)
+            spanning += len(set(s.token_versions)) > 1
     assert len(seen) == len(set(seen)), "a prompt was trained on twice"
+    assert spanning > 0, "no response spanned two adapter versions"
