@@ -25,6 +25,8 @@ import time
 import traceback
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from entropy_openrlhf.actors.engine_settings import prompt_seed
 from entropy_openrlhf.pipeline.batches import Batch, merge_reward_metrics
 from entropy_openrlhf.pipeline.evaluation import evaluate
@@ -56,8 +58,6 @@ class StreamProducer:
     def __init__(self, trainer: Any):
         """`trainer`: the run's Trainer (pipeline/trainer.py, which imports this module): its groups, sync, prompt
         stream, queue and evaluation bookkeeping."""
-        from transformers import AutoTokenizer  # here: the driver needs it only to stream, and it takes ~2 s
-
         self.t = trainer
         cfg = trainer.cfg
         self.cfg, self.mode = cfg, cfg.rollout.mode

@@ -37,8 +37,12 @@ async def single_turn_group(engines: TokenEngines, prompt: PromptItem, request: 
     token keeps the version that sampled it."""
     requests = [
         TokenRequest(
-            f"{request.tag}-{j}", request.prompt_token_ids, request.max_new_tokens, request.temperature,
-            request.top_p, None if request.seed is None else request.seed + j,
+            f"{request.tag}-{j}",
+            request.prompt_token_ids,
+            request.max_new_tokens,
+            request.temperature,
+            request.top_p,
+            None if request.seed is None else request.seed + j,
         )  # fmt: skip
         for j in range(request.n)
     ]
