@@ -2,7 +2,7 @@
 
 Each arm is a short real run of the demo (SmolLM2-135M-Instruct on the built-in task, KL-Cov, a local Ray on
 127.0.0.1, W&B offline) through `memory.py`'s `measure`: every process of the run sampled with psutil, the run's
-per-step metrics read back from its `files/metrics.jsonl`. The arms run back to back in this one process, so they
+per-step metrics read back from its `metrics.jsonl`. The arms run back to back in this one process, so they
 share the machine and its load; each run starts and stops its own Ray.
 
 - `full`: full fine-tuning, the default (`--sync.method auto`: the collective sync of the whole model);

@@ -145,7 +145,7 @@ class Measurement:
 
 def measure(steps: int, pipeline_flags: list[str], pipeline: str = "kl_cov", interval: float = 0.5) -> Measurement:
     """Run the pipeline in this process for `steps` steps, sampling every process of the run, and read back its
-    per-step metrics (W&B offline's `files/metrics.jsonl`) before its temporary output folder goes. Raises
+    per-step metrics (the output folder's `metrics.jsonl`) before its temporary output folder goes. Raises
     CouldNotMeasure, saying why, when the run failed or was not sampled to its end. Ray is shut down when it returns
     (the run owns the local Ray it starts), so it can be called again in the same process."""
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -155,7 +155,7 @@ def measure(steps: int, pipeline_flags: list[str], pipeline: str = "kl_cov", int
     load_before = os.getloadavg()[0]
     sampler = Sampler(interval)
     tmp = tempfile.TemporaryDirectory(prefix="memory_")
-    wandb_dir = os.environ.pop("WANDB_DIR", None)  # the run's W&B folder goes under its output dir, read below
+    wandb_dir = os.environ.pop("WANDB_DIR", None)  # the run's W&B folder goes under its output dir, removed with it
     sampler.start()
     t0 = time.time()
     try:
@@ -182,10 +182,11 @@ def measure(steps: int, pipeline_flags: list[str], pipeline: str = "kl_cov", int
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, float]]:
-    """The per-step metrics of the one run under `output_dir`: the lines of its `files/metrics.jsonl` merged by step
-    (a step may log more than one line), in step order; [] when the run wrote none."""
+    """The per-step metrics of the run in `output_dir`: the lines of its `metrics.jsonl` merged by step (a step may
+    log more than one line), in step order; [] when the run wrote none."""
     steps: dict[int, dict[str, float]] = {}
-    for path in sorted(output_dir.glob("**/files/metrics.jsonl")):
+    path = output_dir / "metrics.jsonl"
+    if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)

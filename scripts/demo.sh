@@ -20,3 +20,6 @@ PATH="$PWD/.venv/bin:$PATH" .venv/bin/ray job submit --address "http://127.0.0.1
     --runtime-env-json '{"excludes": [".venv*", "outputs", "wandb", ".git"]}' -- \
     python pipelines/kl_cov.py --train.output_dir "$PWD/outputs/demo" "${DEMO_FLAGS[@]}" "$@"
 echo "demo finished in $(( $(date +%s) - start )) s"
+# every step's metrics, whichever --logger.backends were given (a rerun moves the earlier run's rows aside)
+metrics="$PWD/outputs/demo/metrics.jsonl"
+if [[ -f $metrics ]]; then echo "per-step metrics: $metrics ($(wc -l < "$metrics") rows)"; fi

@@ -2,7 +2,7 @@
 forecast the rest of the run from its first points, and write a PNG plot.
 
     python scripts/fit_entropy_law.py runs.csv --entropy entropy/seq_mean --acc eval/acc --plot fit.png
-    python scripts/fit_entropy_law.py wandb/offline-run-2026... --forecast-from 10
+    python scripts/fit_entropy_law.py outputs/run --forecast-from 10   # a run's output folder (its metrics.jsonl)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from entropy_openrlhf.algorithms.entropy_law import fit_entropy_law, forecast, p
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="a CSV file, or a W&B offline run folder written by our trainer")
+    p.add_argument("source", help="a CSV file, or a run's output folder (it holds metrics.jsonl)")
     p.add_argument("--entropy", default="entropy/seq_mean", help="entropy column / metric name")
     p.add_argument("--acc", default="eval/acc", help="accuracy column / metric name")
     p.add_argument("--forecast-from", type=int, default=0, help="fit on the first N points and predict the rest")

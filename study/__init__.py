@@ -1,6 +1,6 @@
 """The small-scale study's tooling: several runs side by side, one method per label with one or several seeds.
 
-runs.py       reading runs (study/runs/<arm>_seed<N>/metrics.jsonl, W&B offline folders, CSVs) and each run's
+runs.py       reading runs (study/runs/<arm>_seed<N>/metrics.jsonl, output folders, older W&B folders, CSVs), each run's
               figures: final entropy and accuracy, pass@k, the share of steps in a band, the mechanism's points
 stats.py      the statistics, free of runs: t-intervals, paired tests (t, sign, Wilcoxon), power, Holm's
               correction, Pearson and partial correlation with Fisher and run-level bootstrap intervals

@@ -7,12 +7,12 @@ mechanism (each step's entropy change against its covariance).
         kl_cov=study/runs/kl_cov_seed1 kl_cov=study/runs/kl_cov_seed2 kl_cov=study/runs/kl_cov_seed3 \
         --out study/figures --prefix study_ --band 0.5,0.8
 
-Each run is LABEL=PATH (or just PATH: the label is then the folder or file name). PATH is a W&B offline run folder
-written by our trainer (it holds files/metrics.jsonl), a folder holding metrics.jsonl (study/runs/<run>), a folder
-with exactly one such run below it (a pipeline's --train.output_dir), or a CSV with a `step` column and one column
-per metric. A label given several times names one method's seeds (different runs). Seeds are paired with the
-baseline's by the `seed<N>` in their paths (grpo_seed2 with kl_cov_seed2: same data and first rollouts), else by
-their order on the command line.
+Each run is LABEL=PATH (or just PATH: the label is then the folder or file name). PATH is a folder holding
+metrics.jsonl (a pipeline's --train.output_dir, study/runs/<run>), a W&B offline run folder of a run from before
+metrics.jsonl moved to the output folder (it holds files/metrics.jsonl), a folder with exactly one such run below
+it, or a CSV with a `step` column and one column per metric. A label given several times names one method's seeds
+(different runs). Seeds are paired with the baseline's by the `seed<N>` in their paths (grpo_seed2 with
+kl_cov_seed2: same data and first rollouts), else by their order on the command line.
 
 Writes into --out:
     <prefix>entropy.png       `entropy/seq_mean` against step; with seeds, their mean and (shaded) min-max

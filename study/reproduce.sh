@@ -100,14 +100,16 @@ declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
 STUDY_ORDER=(grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide clip_cov_global
     clip_cov_all clip_cov_r03)
 
-merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: every W&B run folder of a run (one per resume), in order;
-    # a step logged again after a resume replaces the earlier row. A step's row of an older evaluation alone
-    # (docs/guides/metrics.md) is kept beside its training row, before it.
+merge_metrics() {  # merge_metrics RUN_DIR OUT_FILE: the run's metrics.jsonl (resumes append to it), or for a run
+    # from before it moved there, every W&B run folder's (one per resume), in order; a step logged again after a
+    # resume replaces the earlier row. A step's row of an older evaluation alone (docs/guides/metrics.md) is kept
+    # beside its training row, before it.
     .venv/bin/python - "$1" "$2" <<'PY'
 import json, sys
 from pathlib import Path
-rows = {}
-for f in sorted(Path(sys.argv[1]).glob("wandb/offline-run-*/files/metrics.jsonl")):
+rows, run = {}, Path(sys.argv[1])
+files = [run / "metrics.jsonl"] if (run / "metrics.jsonl").exists() else []
+for f in files or sorted(run.glob("wandb/offline-run-*/files/metrics.jsonl")):
     for line in f.read_text().splitlines():
         if line.strip():
             row = json.loads(line)

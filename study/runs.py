@@ -26,7 +26,8 @@ BAND = "band"  # the seed values' name for the share of steps inside --band
 
 @dataclass
 class Run:
-    """One training run (one seed): a CSV file or a run folder holding files/metrics.jsonl."""
+    """One training run (one seed): a CSV file, or a folder holding metrics.jsonl (a run's output folder,
+    study/runs/<run>) or files/metrics.jsonl (a W&B offline folder, where runs before it moved kept it)."""
 
     source: Path
     seed: str = ""  # pairs it with the baseline's run of the same seed; set when the methods are grouped
@@ -99,7 +100,8 @@ class MechanismPoints(NamedTuple):
 
 
 def find_run(path: Path) -> Path:
-    """The CSV or run folder that `path` names, or the single run folder below it."""
+    """The CSV or run folder that `path` names, or the single run folder below it: a folder holding metrics.jsonl,
+    or a W&B offline folder holding files/metrics.jsonl (how runs before it moved to the output folder left it)."""
     if path.is_file():
         if path.suffix.lower() != ".csv":
             raise ValueError(f"{path}: expected a .csv file or a run folder")
@@ -108,9 +110,9 @@ def find_run(path: Path) -> Path:
         raise ValueError(f"{path}: no such file or folder")
     if (path / "files" / "metrics.jsonl").exists() or (path / "metrics.jsonl").exists():
         return path
-    found = sorted(p.parent.parent for p in path.glob("**/files/metrics.jsonl"))
+    found = sorted({p.parent.parent if p.parent.name == "files" else p.parent for p in path.glob("**/metrics.jsonl")})
     if len(found) != 1:
-        what = "no run folder (files/metrics.jsonl)" if not found else f"{len(found)} run folders: {found}"
+        what = "no run folder (metrics.jsonl)" if not found else f"{len(found)} run folders: {found}"
         raise ValueError(f"{path}: {what} below it; name one run folder")
     return found[0]
 
@@ -138,7 +140,7 @@ def group_methods(parsed: list[Method]) -> list[Method]:
                     "must be different runs (to plot one run twice, labels must differ)"
                 )
         methods[m.label].runs.extend(m.runs)
-    # the last seed<N> in the path (outputs/repro/kl_cov_seed2/wandb/offline-run-...) pairs seeds across methods;
+    # the last seed<N> in the path (outputs/repro/kl_cov_seed2) pairs seeds across methods;
     # unless every method's runs have distinct ones, every method pairs by order on the command line instead
     numbered = {}
     for m in methods.values():

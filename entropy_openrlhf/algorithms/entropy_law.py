@@ -97,16 +97,15 @@ def read_csv(path: str | Path, entropy_key: str, perf_key: str) -> tuple[np.ndar
 
 
 def read_wandb_offline(run_dir: str | Path, entropy_key: str, perf_key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(entropy, accuracy) pairs from a W&B offline run folder.
-
-    wandb 0.31 cannot read its binary run file back from Python, so our trainer also writes every logged step as
-    one JSON line to `<run dir>/files/metrics.jsonl`; that is what is read here.
+    """(entropy, accuracy) pairs from a run folder: the trainer writes every logged step as one JSON line to
+    `<output_dir>/metrics.jsonl`. Runs from before that kept it in their W&B offline folder, as `files/metrics.jsonl`
+    (wandb 0.31 cannot read its binary run file back from Python); such a folder is read too.
     """
     run_dir = Path(run_dir)
-    candidates = [run_dir / "files" / "metrics.jsonl", run_dir / "metrics.jsonl"]
+    candidates = [run_dir / "metrics.jsonl", run_dir / "files" / "metrics.jsonl"]
     path = next((p for p in candidates if p.exists()), None)
     if path is None:
-        raise FileNotFoundError(f"{run_dir}: no files/metrics.jsonl (is this a run folder written by our trainer?)")
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a run's output folder, written by our trainer?)")
     rows = []
     with open(path) as f:
         for line in f:

@@ -5,8 +5,8 @@
 
 Two runs of pipelines/kl_cov.py in one fresh output folder. Run 1 trains 2 synchronous steps (`--preset gpu-smoke`:
 one vLLM engine with TP 2, two ZeRO-3 ranks, the collective weight sync) and saves a checkpoint at step 2; run 2
-resumes from it with one more step. The report is read from the runs' own output: their logs, the W&B run folders
-(`files/metrics.jsonl`) and the checkpoint folder.
+resumes from it with one more step. The report is read from the runs' own output: their logs, the output folder's
+`metrics.jsonl`, the W&B run folders and the checkpoint folder.
 
 The checks, and when each passes:
 - engine start: every actor group started (the driver's "actors started" line);
@@ -18,7 +18,7 @@ The checks, and when each passes:
   states, an HF model with its weights and tokenizer);
 - resume: run 2 resumed at step 2, trained exactly step 2 and exited 0, its engines given the checkpoint's weights
   (the sync bound holds);
-- W&B: each run's W&B folder holds its steps' metrics and W&B's own run file.
+- W&B: each run logged its steps to metrics.jsonl, and its W&B folder holds W&B's own run file.
 
 Each line is PASS, FAIL or INCONCLUSIVE: nothing failed, but the runs could not have shown a fault. The weight-sync
 line is inconclusive when one step moves the log-probs by less than its bound (an engine that kept old weights
@@ -71,7 +71,8 @@ def digit_share(response: str, label: str, *, prompt: str = "", metadata: dict |
 
 @dataclass
 class Run:
-    """One pipeline run as the report sees it: exit code, log text, and its W&B run folder's metrics."""
+    """One pipeline run as the report sees it: exit code, log text, its W&B run folder and the rows it added to
+    metrics.jsonl."""
 
     code: int
     log: str
@@ -120,15 +121,17 @@ def first_error(log: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def load_run(code: int, log: str) -> Run:
-    """Find the run's W&B folder in its log (the driver prints it) and read the metrics it holds."""
+def load_run(code: int, log: str, output_dir: Path, earlier: Run | None = None) -> Run:
+    """The run's W&B folder, found in its log (the driver prints it), and its metrics: the rows of the output
+    folder's metrics.jsonl that the `earlier` run, read when it ended, did not hold (the two runs share the file)."""
     run = Run(code, log)
-    found = re.search(r"W&B run (\S+)", log)
+    found = re.search(r"W&B run ([^\s;]+)", log)
     if found:
         run.run_dir = Path(found.group(1))
-        path = run.run_dir / "files" / "metrics.jsonl"
-        if path.is_file():
-            run.metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path = output_dir / "metrics.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        run.metrics = [r for r in rows if earlier is None or r not in earlier.metrics]
     return run
 
 
@@ -207,8 +210,10 @@ def judge(mode: str, run1: Run, run2: Run | None, output_dir: Path) -> list[Chec
 
     problems = []
     for i, run in enumerate([run1] + ([run2] if run2 else []), start=1):
-        if run.run_dir is None or not run.metrics:
-            problems.append(f"run {i}: no W&B metrics")
+        if not run.metrics:
+            problems.append(f"run {i}: no metrics in metrics.jsonl")
+        elif run.run_dir is None:
+            problems.append(f"run {i}: no W&B run folder in its log")
         elif not list(run.run_dir.glob("*.wandb")):
             problems.append(f"run {i}: no W&B run file in {run.run_dir}")
     where = ", ".join(str(r.run_dir) for r in (run1, run2) if r and r.run_dir)
@@ -269,12 +274,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[gpu-preflight] run 1: {CHECKPOINT_STEP} steps and a checkpoint ({out / 'run1.log'})", flush=True)
     run1 = load_run(*run_pipeline([*common, "--train.num_steps", str(CHECKPOINT_STEP)], out / "run1.log",
-                                  args.timeout_s))  # fmt: skip
+                                  args.timeout_s), out)  # fmt: skip
     run2 = None
     if run1.code == 0:
         print(f"[gpu-preflight] run 2: resume at step {CHECKPOINT_STEP} ({out / 'run2.log'})", flush=True)
         flags2 = [*common, "--train.num_steps", str(CHECKPOINT_STEP + 1), "--train.resume", "true"]
-        run2 = load_run(*run_pipeline(flags2, out / "run2.log", args.timeout_s))
+        run2 = load_run(*run_pipeline(flags2, out / "run2.log", args.timeout_s), out, earlier=run1)
     checks = judge(mode, run1, run2, out)
     print(report(checks), flush=True)
     return exit_code(checks)

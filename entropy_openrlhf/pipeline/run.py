@@ -277,16 +277,18 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         if note:
             print(f"[entropy-openrlhf] {note}", flush=True)
         check_nodes(cfg, model_path)
+        # last, before any actor: a logger that cannot start (an MLflow server not answering, say) is bad input
+        tracker = Tracker(cfg.logger.wandb_project, cfg.logger.run_name, cfg.flatten(), cfg.train.output_dir,
+                          backends=cfg.logger.backends)  # fmt: skip
     except (ConfigError, DatasetError, VerifierLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         if started:
             ray.shutdown()
         return 2
 
-    tracker = Tracker(cfg.logger.wandb_project, cfg.logger.run_name, cfg.flatten(), cfg.train.output_dir)
     print(
         f"[entropy-openrlhf] {pipeline}: model {model_path}, {len(train_items)} train / {len(test_items)} test "
-        f"prompts, W&B run {tracker.run_dir}",
+        f"prompts; {tracker.where()}",
         flush=True,
     )
     trainer = Trainer(cfg, model_path, train_items, test_items)
@@ -307,7 +309,7 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         if history:  # empty when resuming a run whose last checkpoint is its final step
             print(f"[entropy-openrlhf] first step mean reward: {history[0].get('reward/mean', float('nan')):.4f}")
         print("[entropy-openrlhf] summary\n" + summarize(history, trainer.startup_seconds), flush=True)
-        print(f"[entropy-openrlhf] final model: {final}; W&B run: {tracker.run_dir}", flush=True)
+        print(f"[entropy-openrlhf] final model: {final}; {tracker.where()}", flush=True)
     except NodeLostError as e:
         code, stopped = 1, f"error: {e}"
     except (StopRequested, KeyboardInterrupt) as e:
@@ -326,7 +328,7 @@ def run(cfg: Config, pipeline: str, argv: list[str]) -> int:
         trainer.shutdown_groups()
         discarded = _cleanup_step("removing an unfinished save", trainer.discard_unfinished_save, stopped)
         # `ray job stop` and SLURM signal the driver's children too: W&B's service process may be gone already
-        _cleanup_step("finishing the W&B run", tracker.finish, stopped)
+        _cleanup_step("finishing the loggers", tracker.finish, stopped)
         if started:
             ray.shutdown()
         if on_main_thread:

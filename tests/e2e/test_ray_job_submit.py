@@ -84,7 +84,7 @@ def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head,
     assert (final / "config.json").exists() and (final / "tokenizer_config.json").exists()
     runs = list((out_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
-    metrics = [json.loads(line) for line in (runs[0] / "files" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1] and all("entropy/token_mean" in m for m in metrics)
     assert list(runs[0].glob("run-*.wandb")), "W&B wrote no run file"  # the offline run W&B itself would sync
 
@@ -100,8 +100,7 @@ def test_a_lora_job_syncs_only_the_adapter_and_saves_it_beside_the_merged_model(
     assert "weight sync: adapter only" in log, log[-4000:]
     final = out_dir / "final"
     assert (final / "config.json").exists() and (final / "adapter" / "adapter_config.json").exists()
-    (run,) = (out_dir / "wandb").glob("offline-run-*")
-    metrics = [json.loads(line) for line in (run / "files" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(0 < m["sync/mb"] < 1 for m in metrics)  # a rank-8 adapter of the tiny model: well under a MiB
     assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the base

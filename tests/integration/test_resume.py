@@ -134,12 +134,13 @@ def run_to_end(out: Path, ray_tmp: Path, *extra: str, pipeline: str = "kl_cov") 
 
 
 def logged(out: Path) -> dict[int, dict]:
-    """step -> the metrics the run logged (files/metrics.jsonl of every W&B run in the output folder)."""
+    """step -> the metrics the runs in the output folder logged (its metrics.jsonl, whose rows of a step a resume
+    redoes are the resumed run's)."""
     steps = {}
-    for path in sorted((out / "wandb").glob("offline-run-*/files/metrics.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            steps[row["step"]] = {k: v for k, v in row.items() if not k.startswith(TIMING)}
+    path = out / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        steps[row["step"]] = {k: v for k, v in row.items() if not k.startswith(TIMING)}
     return steps
 
 
@@ -232,12 +233,12 @@ def test_killed_job_resumes_from_its_last_checkpoint_and_repeats_an_uninterrupte
     # RNG, so its steps repeat the uninterrupted run's exactly, the logged step 2 included
     log = run_to_end(killed, ray_tmp, "--train.resume", "true", pipeline=pipeline)
     assert f"resumed from {killed / 'checkpoints' / 'step2'} at step 2" in log
-    resumed_run = max((killed / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
-    resumed = [json.loads(x)["step"] for x in (resumed_run / "files" / "metrics.jsonl").read_text().splitlines()]
-    assert resumed == [2, 3]  # first trained step = the checkpoint's; only the steps since it are redone
-    redone = {
-        json.loads(x)["step"]: json.loads(x) for x in (resumed_run / "files" / "metrics.jsonl").read_text().splitlines()
-    }
+    rows = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    replaced = [json.loads(x) for x in (killed / "metrics.replaced.jsonl").read_text().splitlines()]
+    # first trained step = the checkpoint's; only the steps since it are redone: the killed run's row of step 2 was
+    # moved aside for the resumed run's, its rows of steps 0 and 1 kept
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and [r["step"] for r in replaced] == [2]
+    redone = {r["step"]: r for r in rows}
     assert {k: v for k, v in redone[2].items() if not k.startswith(TIMING)} == before_kill[2]
     after = logged(killed)
     # the schedule came back with the checkpoint: the resumed steps run at the uninterrupted run's rates

@@ -185,6 +185,7 @@ def test_read_csv_without_usable_rows(tmp_path):
 
 
 def test_read_wandb_offline(tmp_path):
+    # a W&B offline folder of a run from before metrics.jsonl moved to the output folder: still read
     run = tmp_path / "offline-run-20260101_000000-abc"
     (run / "files").mkdir(parents=True)
     records = [
@@ -245,11 +246,11 @@ def test_script_fits_a_csv_and_writes_a_png(tmp_path):
     assert len(data) > 5000  # a real plot, not an empty image
 
 
-def test_script_reads_a_wandb_run_folder(tmp_path):
+def test_script_reads_a_runs_output_folder(tmp_path):
     steps, h, r = synthetic_run(n=20)
-    (tmp_path / "run" / "files").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
     lines = [json.dumps({"step": int(s), "H": float(x), "R": float(y)}) for s, x, y in zip(steps, h, r)]
-    (tmp_path / "run" / "files" / "metrics.jsonl").write_text("\n".join(lines))
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines))  # where the trainer writes it
     proc = run_script(tmp_path / "run", "--entropy", "H", "--acc", "R")
     assert proc.returncode == 0, proc.stderr
     law = fit_entropy_law(h, r)

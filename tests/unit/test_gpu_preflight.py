@@ -24,7 +24,8 @@ from entropy_openrlhf.pipeline.gpu_preflight import (
 
 def good_log(run_dir: Path, backend: str = "nccl", resumed: bool = False) -> str:
     lines = [
-        f"[entropy-openrlhf] kl_cov: model /m, 64 train / 0 test prompts, W&B run {run_dir}",
+        f"[entropy-openrlhf] kl_cov: model /m, 64 train / 0 test prompts; metrics {run_dir.parents[1]}/metrics.jsonl; "
+        f"W&B run {run_dir}; TensorBoard {run_dir.parents[1]}/tensorboard",
         "[entropy-openrlhf] actors started in 40 s: rollout on 10.0.0.1; policy on 10.0.0.1, 10.0.0.1",
         f"[entropy-openrlhf] weight sync: collective over {backend}, 3 ranks",
     ]
@@ -41,11 +42,14 @@ def step(i: int, gap: float, **extra) -> dict:
 
 
 def make_run(tmp_path: Path, name: str, metrics: list[dict], backend="nccl", resumed=False, code=0) -> Run:
-    run_dir = tmp_path / "wandb" / name
-    (run_dir / "files").mkdir(parents=True)
-    (run_dir / "files" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    """A run in an output folder of its own, `tmp_path/name`: its rows in metrics.jsonl, a W&B folder with its run
+    file, and the log that names that folder."""
+    out = tmp_path / name
+    run_dir = out / "wandb" / f"offline-run-{name}"
+    run_dir.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (run_dir / f"run-{name}.wandb").write_bytes(b"")
-    return load_run(code, good_log(run_dir, backend, resumed))
+    return load_run(code, good_log(run_dir, backend, resumed), out)
 
 
 # what Trainer.save leaves for two ZeRO-3 ranks (DeepSpeed's file names under the tag "state")
@@ -205,6 +209,26 @@ def test_a_missing_wandb_run_file_fails(out):
     next(run2.run_dir.glob("*.wandb")).unlink()
     wandb = next(c for c in judge("gpu", run1, run2, out) if c.name == "W&B")
     assert not wandb.ok and "run 2: no W&B run file" in wandb.detail
+
+
+def test_the_second_run_is_the_rows_it_added_to_the_shared_metrics_file(tmp_path, out):
+    """Both runs write one output folder's metrics.jsonl: run 2's metrics are the rows run 1's did not hold."""
+    (tmp_path / "wandb" / "offline-run-r1").mkdir(parents=True)
+    (tmp_path / "wandb" / "offline-run-r2").mkdir(parents=True)
+    rows = [step(0, 0.03), step(1, 0.03)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    run1 = load_run(0, good_log(tmp_path / "wandb" / "offline-run-r1"), tmp_path)
+    assert run1.run_dir == tmp_path / "wandb" / "offline-run-r1" and run1.metrics == rows
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(step(2, 0.03)) + "\n")
+    run2 = load_run(0, good_log(tmp_path / "wandb" / "offline-run-r2", resumed=True), tmp_path, earlier=run1)
+    assert [m["step"] for m in run2.metrics] == [2]
+    # a run 2 that started over replaces run 1's rows (the tracker moves them aside): every step it logged is its own
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(step(i, 0.02)) + "\n" for i in range(3)))
+    run2 = load_run(0, good_log(tmp_path / "wandb" / "offline-run-r2"), tmp_path, earlier=run1)
+    assert [m["step"] for m in run2.metrics] == [0, 1, 2]
+    resume = next(c for c in judge("gpu", run1, run2, out) if c.name == "resume")
+    assert not resume.ok and "trained steps [0, 1, 2]" in resume.detail
 
 
 def test_gpu_mode_needs_pretrain_and_a_new_folder(tmp_path, capsys):

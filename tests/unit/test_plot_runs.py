@@ -50,11 +50,13 @@ def synthetic_records(a: float, b: float, tau: float, n: int = 60, eval_every: i
     return records
 
 
-def write_run_folder(root: Path, records: list[dict]) -> Path:
-    """The layout the trainer leaves: <output_dir>/wandb/offline-run-<time>-<id>/files/metrics.jsonl."""
-    run = root / "wandb" / "offline-run-20260101_000000-abc123"
-    (run / "files").mkdir(parents=True)
-    (run / "files" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+def write_run_folder(root: Path, records: list[dict], wandb: bool = False) -> Path:
+    """The layout the trainer leaves: <output_dir>/metrics.jsonl. `wandb`: the layout of runs from before it moved
+    there, <output_dir>/wandb/offline-run-<time>-<id>/files/metrics.jsonl."""
+    run = root / "wandb" / "offline-run-20260101_000000-abc123" if wandb else root
+    path = run / "files" / "metrics.jsonl" if wandb else run / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
 
 
@@ -80,8 +82,9 @@ def assert_png(path: Path) -> None:
 def test_writes_every_png_and_recovers_each_methods_law(tmp_path):
     specs = []
     for i, (name, (a, b, tau)) in enumerate(METHODS.items()):
-        # the run's output folder: the script finds the single run folder below it
-        write_run_folder(tmp_path / name, synthetic_records(a, b, tau, seed=i))
+        # the run's output folder; for one method, that of a run from before metrics.jsonl moved there, where the
+        # script finds the single W&B folder below it
+        write_run_folder(tmp_path / name, synthetic_records(a, b, tau, seed=i), wandb=name == "clip_cov")
         specs.append(f"{name}={tmp_path / name}")
     out = tmp_path / "plots"
     result = run_script(*specs, "--out", out, "--prefix", "arith_")
@@ -150,6 +153,10 @@ def test_a_run_without_entropy_spread_is_plotted_but_not_fitted(tmp_path, capsys
         (lambda root: root / "missing", "no such file or folder"),
         (lambda root: (root / "empty").mkdir() or root / "empty", "no run folder"),
         (lambda root: [write_run_folder(root / "two" / x, []) for x in "ab"] and root / "two", "2 run folders"),
+        (
+            lambda root: [write_run_folder(root / "two" / x, [], wandb=True) for x in "ab"] and root / "two",
+            "2 run folders",
+        ),
     ],
 )
 def test_bad_run_paths_fail_with_one_line(tmp_path, capsys, make, message):

@@ -180,8 +180,9 @@ def test_the_exploration_heldout_set_is_the_generators_and_never_trained_on():
 
 
 def test_merged_metrics_keep_the_newest_row_of_each_step_and_an_older_evaluation_s_own_row(tmp_path):
-    """merge_metrics joins a run's W&B folders (one per resume): a step logged again replaces the earlier row, and
-    a row holding only an older evaluation (two finished in one step) stays, before its step's training row."""
+    """merge_metrics joins the W&B folders (one per resume) of a run from before metrics.jsonl moved to the output
+    folder: a step logged again replaces the earlier row, and a row holding only an older evaluation (two finished
+    in one step) stays, before its step's training row."""
     rows = {
         "offline-run-1": [{"step": 0, "loss/policy": 1.0}, {"step": 1, "loss/policy": 1.0},
                           {"step": 2, "eval/policy_version": 2, "eval/acc": 0.1},
@@ -198,3 +199,19 @@ def test_merged_metrics_keep_the_newest_row_of_each_step_and_an_older_evaluation
                    check=True, timeout=120)  # fmt: skip
     merged = [json.loads(line) for line in out.read_text().splitlines()]
     assert merged == [rows["offline-run-1"][0], rows["offline-run-2"][0], *rows["offline-run-1"][2:]]
+
+
+def test_merged_metrics_of_a_run_are_its_output_folder_s_metrics_jsonl(tmp_path):
+    """A run's metrics.jsonl in its output folder (where the tracker writes it, a resume's rows included) is what
+    merge_metrics keeps; W&B folders beside it (which no longer hold metrics) are not read."""
+    lines = [{"step": 0, "loss/policy": 1.0}, {"step": 1, "eval/policy_version": 1, "eval/acc": 0.1},
+             {"step": 1, "loss/policy": 2.0, "eval/policy_version": 2}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    old = tmp_path / "wandb" / "offline-run-1" / "files"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss/policy": 9.0}) + "\n")
+    function = re.search(r"^merge_metrics\(\) \{.*?^\}$", SCRIPT.read_text(), re.S | re.M).group(0)
+    out = tmp_path / "merged.jsonl"
+    subprocess.run(["bash", "-c", f'{function}\nmerge_metrics "$1" "$2"', "_", str(tmp_path), str(out)], cwd=ROOT,
+                   check=True, timeout=120)  # fmt: skip
+    assert [json.loads(line) for line in out.read_text().splitlines()] == lines

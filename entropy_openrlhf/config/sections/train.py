@@ -23,7 +23,8 @@ class TrainConfig(Section):
     seed: int = _f(42, "seed of data order, vLLM sampling and Clip-Cov's random choice")
     output_dir: str = _f(
         "",
-        "checkpoints, the final HF model, metrics.jsonl and the W&B folder go here. Not given: outputs/run under the "
+        "checkpoints, the final HF model, metrics.jsonl and the loggers' folders (wandb/, tensorboard/, mlruns/) go "
+        "here. Not given: outputs/run under the "
         "current folder, or ~/entropy-openrlhf/outputs/run under `ray job submit --working-dir` (Ray deletes its "
         "copy of the working dir with the job); a relative folder given there is refused",
     )
