@@ -24,6 +24,8 @@ class TrainSample:
     # policy versions between the weights that sampled the response and the trainer's at this step (the
     # offpolicy/staleness_<v>/* metrics group by it)
     staleness: int = 0
+    # streamed samples: the same per response token (a partial rollout's span two or more values); None: `staleness`
+    token_staleness: list[int] | None = None
     # the response's data source where the step mixes several (entropy/<source>/seq_mean); "" otherwise
     data_source: str = ""
 

@@ -16,12 +16,9 @@ Every forward here runs at `--rollout.temperature` (logits / T before the log-so
 distribution vLLM sampled from and returns log-probs of; `response_log_probs`, the weight-sync check's, stays at T = 1
 like the engine's prompt log-probs it is compared with.
 
-Plain functions over explicit inputs: the rank's fixed facts (`RankSetup`), the DeepSpeed engine, and the step's
-state (`StepState`), which the phases fill in as they go. The actor keeps the state between steps and decides which
-phase runs when.
-
-Actor-only: this module loads OpenRLHF (through forward.py, and for its KL estimator), which loads transformers and
-reads its settings on import, so only a policy rank imports it, after `set_cpu_defaults` (policy_actor.py).
+Plain functions over the rank's fixed facts (`RankSetup`), the DeepSpeed engine and the step's state (`StepState`),
+which the phases fill in; the actor keeps the state and decides which phase runs when. Actor-only: it loads OpenRLHF
+(transformers reads its settings on import), so only a policy rank imports it, after `set_cpu_defaults`.
 """
 
 from __future__ import annotations
@@ -53,7 +50,12 @@ from entropy_openrlhf.algorithms.objectives import (
     run_objective,
     select_tokens,
 )
-from entropy_openrlhf.algorithms.off_policy import OffPolicyConfig, correct, metrics_by_staleness
+from entropy_openrlhf.algorithms.off_policy import (
+    OffPolicyConfig,
+    correct,
+    metrics_by_staleness,
+    selection_by_staleness,
+)
 from entropy_openrlhf.algorithms.selection import pooled_selection
 from entropy_openrlhf.compat import ensure_flash_attn_importable
 from entropy_openrlhf.config import Config
@@ -92,7 +94,8 @@ class StepState:
     old_lp: list[torch.Tensor | None]
     entropies: list[torch.Tensor | None]
     is_weights: list[torch.Tensor | None]
-    staleness: list[torch.Tensor]  # per micro-batch, (B,): policy versions each response lags the trainer
+    staleness: list[torch.Tensor]  # per micro-batch, (B, L): policy versions each response token lags the trainer
+    ages: set[int] = field(default_factory=set)  # the staleness values of every token this rank trains on
     # per micro-batch, each response's data source where the step mixes several, else "" (TrainSample.data_source)
     sources: list[list[str]] = field(default_factory=list)
     epochs: int = 1  # passes over the mini-batches (`--train.ppo_epochs`), each mini-batch one optimizer step per pass
@@ -217,8 +220,9 @@ def prepare_step(
         old_lp=list(rollout_lp) if off_policy.bypass else [None] * len(batches),
         entropies=[None] * len(batches),
         is_weights=[None] * len(batches),
-        staleness=[torch.tensor([s.staleness for s in m], device=b.mask.device) for m, b in zip(micro, batches)],
+        staleness=grid(lambda s: s.token_staleness or [s.staleness] * len(s.response_ids)),
         sources=[[s.data_source for s in m] for m in micro],
+        ages={a for x in samples for a in (x.token_staleness or [x.staleness])},
     )
 
 
@@ -274,14 +278,10 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
     shown = dataclasses.replace(op, bypass=False) if op.bypass else op
     for k, v in (correct(lp, r, b.mask, shown).metrics if op.bypass else out.metrics).items():
         s.add(k, v)
-    by_staleness = metrics_by_staleness(lp, r, b.mask, s.staleness[i], shown)
-    for k, v in by_staleness.items():
+    # a staleness this rank trains on but this micro-batch lacks holds 0 of its tokens (`also`): the mean over
+    # micro-batches is then the group's average share
+    for k, v in metrics_by_staleness(lp, r, b.mask, s.staleness[i], shown, also=s.ages).items():
         s.add(k, v)
-    # a staleness this rank trains on but this micro-batch lacks holds 0 of its tokens: the mean over micro-batches
-    # is then the group's average share
-    for v in {int(x) for t in s.staleness for x in t.tolist()}:
-        if f"offpolicy/staleness_{v}/token_frac" not in by_staleness:
-            s.add(f"offpolicy/staleness_{v}/token_frac", 0.0)
 
 
 # ------------------------------------------------------------------ 3. the optimizer steps
@@ -395,7 +395,7 @@ def train_micro_batch(
         lc.type, s.params, lc, ctx, lp, s.old_lp[i], s.advantages[i], b.mask, entropy=entropy,
         is_weights=s.is_weights[i],
     )  # fmt: skip
-    for k, v in selection_metrics.items():
+    for k, v in {**selection_metrics, **selection_by_staleness(out.selected, b.mask, s.staleness[i])}.items():
         s.add(k, v)
     loss = out.loss
     if cfg.algo.kl_coef > 0 and s.ref_lp is not None:

@@ -16,6 +16,7 @@ differentiated), empty responses give weight 0 and no NaN.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -170,20 +171,55 @@ def metrics_by_staleness(
     mask: torch.Tensor,
     staleness: torch.Tensor,
     cfg: OffPolicyConfig,
+    also: Iterable[int] = (),
 ) -> dict[str, float]:
-    """kl_k1, kl_k3, rejected_frac and ess of the responses of each staleness value (policy versions between the
-    sampling weights and the trainer's), as `offpolicy/staleness_<v>/<name>`. The staleness-0 rows carry the
-    numeric mismatch alone, so their gap against the stale rows' tells how much of the correction async lag asks
-    for. `token_frac` is each group's share of the batch's valid tokens, to weigh them."""
-    if staleness.shape != mask.shape[:1]:
-        raise ValueError(f"shape mismatch: staleness {tuple(staleness.shape)}, mask {tuple(mask.shape)}")
-    staleness = staleness.to(mask.device)
+    """kl_k1, kl_k3, rejected_frac and ess of the tokens of each staleness value (policy versions between the
+    sampling weights and the trainer's), as `offpolicy/staleness_<v>/<name>`. `staleness` is per response (B,) or,
+    for streamed samples whose tokens carry their own versions, per token (B, L): then each value's metrics are those
+    of its tokens alone (a sequence-level correction sees only those tokens of each response). The staleness-0 tokens
+    carry the numeric mismatch alone, so their gap against the stale ones' tells how much of the correction async lag
+    asks for. `token_frac` is each value's share of the batch's valid tokens, to weigh them; a value of `also` that
+    no valid token here has gets a `token_frac` of 0 alone."""
+    per_token = token_staleness(staleness, mask)
     total = int(mask.bool().sum())
     out: dict[str, float] = {}
-    for v in sorted({int(s) for s in staleness.tolist()}):
-        rows = staleness == v
-        metrics = correct(old_log_probs[rows], rollout_log_probs[rows], mask[rows], cfg).metrics
+    for v in staleness_values(per_token, mask):
+        tokens = mask * (per_token == v).to(mask.dtype)
+        metrics = correct(old_log_probs, rollout_log_probs, tokens, cfg).metrics
         for key in STALENESS_KEYS:
             out[f"offpolicy/staleness_{v}/{key}"] = metrics[f"offpolicy/{key}"]
-        out[f"offpolicy/staleness_{v}/token_frac"] = int(mask[rows].bool().sum()) / total if total else 0.0
+        out[f"offpolicy/staleness_{v}/token_frac"] = int(tokens.bool().sum()) / total if total else 0.0
+    for v in also:
+        out.setdefault(f"offpolicy/staleness_{v}/token_frac", 0.0)
     return out
+
+
+def token_staleness(staleness: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`staleness` per response (B,) or per token (B, L) as a (B, L) tensor on the mask's device."""
+    staleness = staleness.to(mask.device)
+    if staleness.shape == mask.shape[:1]:
+        return staleness[:, None].expand(mask.shape)
+    if staleness.shape != mask.shape:
+        raise ValueError(f"shape mismatch: staleness {tuple(staleness.shape)}, mask {tuple(mask.shape)}")
+    return staleness
+
+
+def staleness_values(staleness: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """The staleness values of the valid tokens, ascending (per response or per token, as token_staleness takes)."""
+    return sorted({int(v) for v in token_staleness(staleness, mask)[mask.bool()].tolist()})
+
+
+def selection_by_staleness(selected: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor) -> dict[str, float]:
+    """Where a covariance selection (Clip-Cov's, KL-Cov's: `selected`, (B, L) bool) falls by token age: for each
+    staleness value, its share of the selected tokens, `cov/staleness_<v>/selected_share`, to set beside the value's
+    share of all tokens (`offpolicy/staleness_<v>/token_frac`): above it, the selection favours tokens of that age.
+    {} when nothing was selected."""
+    chosen = selected.bool() & mask.bool()
+    count = int(chosen.sum())
+    if not count:
+        return {}
+    per_token = token_staleness(staleness, mask)
+    return {
+        f"cov/staleness_{v}/selected_share": int((chosen & (per_token == v)).sum()) / count
+        for v in staleness_values(per_token, mask)
+    }

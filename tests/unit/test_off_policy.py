@@ -20,6 +20,7 @@ from entropy_openrlhf.algorithms.off_policy import (
     correct,
     from_legacy,
     metrics_by_staleness,
+    selection_by_staleness,
     preset,
 )
 
@@ -299,3 +300,44 @@ def test_metrics_by_staleness_splits_rows():
     assert out["offpolicy/staleness_0/rejected_frac"] == 0 < out["offpolicy/staleness_1/rejected_frac"]
     with pytest.raises(ValueError, match="staleness"):
         metrics_by_staleness(old, rollout, mask, staleness[:-1], cfg)
+
+
+def test_metrics_by_staleness_splits_the_tokens_of_a_partial_rollout():
+    """Streamed samples carry a staleness per token: a response sampled by two versions gives its older tokens to
+    one group and its newer ones to the other; each group's metrics are those of its own tokens."""
+    old, rollout, mask = make_batch(1)
+    b, length = mask.shape
+    staleness = torch.zeros(b, length, dtype=torch.long)
+    staleness[:, : length // 2] = 2  # every response's first half sampled two versions back
+    staleness[::3] = 1  # and a third of them entirely one version back
+    cfg = OffPolicyConfig(is_level="token", is_max=5.0, reject="token", reject_min=0.5, reject_max=5.0)
+    out = metrics_by_staleness(old, rollout, mask, staleness, cfg)
+    total = int(mask.sum())
+    for v in (0, 1, 2):
+        tokens = mask * (staleness == v)
+        _, _, ref = reference(old, rollout, tokens, cfg)
+        for key in ("kl_k1", "kl_k3", "rejected_frac", "ess"):
+            assert out[f"offpolicy/staleness_{v}/{key}"] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (v, key)
+        assert out[f"offpolicy/staleness_{v}/token_frac"] == pytest.approx(int(tokens.sum()) / total)
+    assert sum(out[f"offpolicy/staleness_{v}/token_frac"] for v in (0, 1, 2)) == pytest.approx(1.0)
+    # a staleness found only on padding makes no group of its own
+    staleness[~mask.bool()] = 7
+    assert "offpolicy/staleness_7/kl_k1" not in metrics_by_staleness(old, rollout, mask, staleness, cfg)
+
+
+def test_selection_by_staleness_is_each_age_s_share_of_the_selected_tokens():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    staleness = torch.tensor([[2, 2, 0, 5], [1, 1, 0, 0]])  # 5 sits on padding
+    selected = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 1]], dtype=torch.bool)  # the padded cell does not count
+    out = selection_by_staleness(selected, mask, staleness)
+    assert out == {
+        "cov/staleness_0/selected_share": pytest.approx(1 / 4),
+        "cov/staleness_1/selected_share": pytest.approx(1 / 4),
+        "cov/staleness_2/selected_share": pytest.approx(2 / 4),
+    }
+    # per response: every token of a response has its staleness
+    assert selection_by_staleness(selected, mask, torch.tensor([3, 0])) == {
+        "cov/staleness_0/selected_share": pytest.approx(2 / 4),
+        "cov/staleness_3/selected_share": pytest.approx(2 / 4),
+    }
+    assert selection_by_staleness(torch.zeros_like(selected), mask, staleness) == {}
