@@ -263,6 +263,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 ref_log_probs=s.ref_log_probs,
                 response_mask=self._loss_mask(s),
                 staleness=0 if step is None else step - s.policy_version,
+                token_staleness=[step - v for v in s.token_versions] if step is not None and s.token_versions else None,
                 data_source=(s.data_source or "default") if mixed else "",
             )
             for s, a in zip(flat, adv)
