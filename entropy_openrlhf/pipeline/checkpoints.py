@@ -1,16 +1,29 @@
 """Checkpoints: writing one atomically, finding the newest complete one, resuming from it, and rotating old ones.
 
 A checkpoint is checkpoints/step<N>: the DeepSpeed state of every policy rank (weights, optimizer, RNG), an HF export
-of the weights and trainer_state.json (step, prompt-stream position, the entropy controller). Folders are renamed
-into place only when complete, so whatever stops a run mid-save, resume sees complete checkpoints only.
+of the weights, trainer_state.json (step, prompt-stream position, the entropy controller) and, in an asynchronous
+run (`--rollout.mode batch`), pending.pkl: the batches for steps N .. N + max_staleness - 1, which the save takes from
+the producer (waiting for those it still generates), and the evaluations not yet logged. Folders are renamed into
+place only when complete, so whatever stops a run mid-save, resume sees complete checkpoints only.
+
+Why the pending batches are saved: one version behind, the run trains step N on a batch that version N - 1's
+weights generated while step N - 1 trained, and the checkpoint holds version N. Generated again after a resume,
+that batch would come from version N (staleness 0, other samples): another run. Regenerating it exactly would need
+version N - 1's weights too (a second copy of the model), and vLLM on GPUs does not repeat a generation bit for bit;
+the batch itself is small beside the checkpoint (about 30 bytes per response token: a 7B DAPO batch of 2048
+responses of 8k tokens is under 0.5 GB, against some 120 GB of weights and optimizer state). From step
+N + max_staleness on, the batches come from version N or later, which the resumed run generates as the unbroken one
+did: the same weights, the same prompt-stream position and so the same per-prompt seeds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +41,15 @@ class Checkpointing:
     stream: Any
     train_items: list
     entropy_ctl: Any
+    carried: deque  # batches taken from the producer ahead of their step: the step loop trains them first
+    eval_results: list
+    _eval_lock: Any
 
-    def save(self, version: int, stream_after: tuple[int, int]) -> Path:
-        """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export and the
-        trainer state (step, prompt-stream position, the entropy controller). It is written as .tmp-step<N> and
-        renamed when complete, so a run killed mid-save leaves only a temporary folder, which resume ignores."""
+    def save(self, version: int, stream_after: tuple[int, int], producer: Any = None) -> Path:
+        """Write checkpoints/step<N>: the DeepSpeed state (weights, optimizer, each rank's RNG), an HF export, the
+        trainer state (step, prompt-stream position, the entropy controller) and, given the `producer` thread, the
+        pending batches and evaluations (take_pending). It is written as .tmp-step<N> and renamed when complete, so a
+        run killed mid-save leaves only a temporary folder, which resume ignores."""
         root = Path(self.cfg.train.output_dir) / "checkpoints"
         final, tmp, old = (root / f"{prefix}step{version}" for prefix in ("", ".tmp-", ".old-"))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -41,6 +58,11 @@ class Checkpointing:
         deadline = {"timeout_s": self.cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
         self.policy.call_all("save_checkpoint", str(tmp / "deepspeed"), "state", **deadline)
         self.policy.call_all("save_hf", str(tmp / "hf"), **deadline)  # a complete HF folder: weights, config, tokenizer
+        # after the policy's files: meanwhile the producer finishes the batch it generates
+        pending, evaluations = self.take_pending(producer, version) if producer is not None else ([], [])
+        if pending or evaluations:
+            with open(tmp / PENDING_FILE, "wb") as f:
+                pickle.dump({"batches": pending, "evaluations": evaluations}, f, protocol=pickle.HIGHEST_PROTOCOL)
         state = {
             "step": version,
             "stream_epoch": stream_after[0],
@@ -51,6 +73,7 @@ class Checkpointing:
             "shuffle": self.cfg.data.shuffle,
             "lr_schedule": schedule_settings(self.cfg),
             "entropy_ctl": self.entropy_ctl.state_dict(),
+            "pending_batches": len(pending),  # in pending.pkl; the stream position above is the one before them
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
@@ -61,6 +84,31 @@ class Checkpointing:
         shutil.rmtree(old, ignore_errors=True)
         rotate_checkpoints(root, self.cfg.train.keep_checkpoints)
         return final
+
+    def take_pending(self, producer: Any, version: int) -> tuple[list, list]:
+        """At the save after `version` steps, `--rollout.mode batch`: the batches for steps version ..
+        version + max_staleness - 1 (those the producer generates with weights older than `version`), taken from the
+        producer's queue into `carried`, where the step loop takes them from; and the evaluations finished but not yet
+        logged of versions before `version` (a resumed run evaluates only from `version` on). Taking the batches
+        early changes nothing in this run: the producer's next batch waits for weights `version` or newer, which it
+        would under the queue's bound too. A producer's failure met here stays in `carried`, to be raised at its
+        step, and the checkpoint holds the batches before it."""
+        cfg = self.cfg
+        if cfg.rollout.mode != "batch":  # the streaming producer's buffer is not saved (its groups are regenerated)
+            return [], []
+        end = min(version + cfg.async_.max_staleness, cfg.train.num_steps)
+        step = version + len(self.carried)  # a save before may have taken some already
+        while step < end and not (self.carried and isinstance(self.carried[-1], BaseException)):
+            self.carried.append(self._next_batch(producer, step))
+            step += 1
+        batches = []
+        for item in self.carried:
+            if isinstance(item, BaseException):
+                break
+            batches.append(item)
+        with self._eval_lock:
+            evaluations = [(v, result) for v, result in self.eval_results if v < version]
+        return batches, evaluations
 
     def discard_unfinished_save(self, timeout_s: float = 30.0) -> Path | None:
         """After the groups are shut down: remove the folder of a save the run stopped in (SIGTERM, a lost node,
@@ -82,24 +130,53 @@ class Checkpointing:
         return tmp
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, and the
-        prompt-stream position. Returns the step to continue from (0 when there is none). Every other random draw
-        (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the step or stream position, so
-        the resumed steps repeat what the lost ones did."""
+        """Load the newest complete checkpoint: weights, optimizer and RNG state on every policy rank, the pending
+        batches and evaluations, and the prompt-stream position. Returns the step to continue from (0 when there is
+        none). Every other random draw (vLLM's per-prompt seeds, Clip-Cov's choice) is derived from the seed and the
+        step or stream position, so the resumed steps repeat what the lost ones did."""
         found = resume_point(self.cfg, len(self.train_items))
         if found is None:  # the driver said so before the actors started
             return 0
         ckpt, state = found
         deadline = {"timeout_s": self.cfg.train.save_timeout_s, "what": "--train.save_timeout_s"}
         self.policy.call_all("load_checkpoint", str(ckpt / "deepspeed"), "state", **deadline)
-        self.stream.epoch, self.stream.offset = state["stream_epoch"], state["stream_offset"]
+        step = int(state["step"])
+        position = state["stream_epoch"], state["stream_offset"]
+        if (ckpt / PENDING_FILE).is_file():  # absent when nothing was pending, and in older checkpoints
+            pending = pickle.loads((ckpt / PENDING_FILE).read_bytes())
+            with self._eval_lock:  # the unbroken run logged them with step `step`
+                self.eval_results.extend(pending["evaluations"])
+            kept = trainable(pending["batches"], step, self.cfg)
+            self.carried.extend(kept)
+            position = kept[-1].stream_after if kept else position
+            if len(kept) < len(pending["batches"]):
+                print(f"[entropy-openrlhf] {len(pending['batches']) - len(kept)} of the checkpoint's "
+                      f"{len(pending['batches'])} pending batches are generated again from its weights (this run's "
+                      "--rollout.mode or --async.max_staleness does not take them)", flush=True)  # fmt: skip
+        self.stream.epoch, self.stream.offset = position
         self.stream._order = self.stream._make_order()
         if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed
             self.entropy_ctl.load_state_dict(state["entropy_ctl"])
-        step = int(state["step"])
         self.sync.publish(step)  # the engines start from the initial model: the checkpoint's weights, before batch 0
         print(f"[entropy-openrlhf] resumed from {ckpt} at step {step}", flush=True)
         return step
+
+
+PENDING_FILE = "pending.pkl"
+
+
+def trainable(batches: list, step: int, cfg: Config) -> list:
+    """The leading pending batches (for steps `step`, `step` + 1, ...) this run can train as they are: in
+    `--rollout.mode batch`, each generated by weights within --async.max_staleness of its step."""
+    if cfg.rollout.mode != "batch":
+        return []
+    kept = []
+    for k, batch in enumerate(batches):
+        oldest = min(s.policy_version for group in batch.groups for s in group)
+        if oldest < step + k - cfg.async_.max_staleness:
+            break
+        kept.append(batch)
+    return kept
 
 
 CHECKPOINT_NAME = re.compile(r"step(\d+)")

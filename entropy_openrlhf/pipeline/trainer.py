@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 
 import ray
 import torch
@@ -61,6 +62,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.train_items, self.test_items = train_items, test_items
         self.stream = PromptStream(train_items, cfg.rollout.batch_size, cfg.train.seed, cfg.data.shuffle)
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, cfg.async_.max_staleness))
+        self.carried: deque = deque()  # batches for the next steps taken before them: at a save, or from a checkpoint
         self.cond = threading.Condition()
         self.latest_version = 0  # newest weights the trainer has published
         self.starvation_said = False  # the note that the objective's selection barely acts (starvation_note)
@@ -225,7 +227,7 @@ class Trainer(Checkpointing, NodeLossHandling):
 
     def _produce(self) -> None:
         try:
-            for step in range(self.start_step, self.cfg.train.num_steps):
+            for step in range(self.produce_from, self.cfg.train.num_steps):
                 with self.cond:
                     # bounded staleness: wait for weights no older than step - max_staleness
                     while self.latest_version < step - self.cfg.async_.max_staleness and not self.stop.is_set():
@@ -355,6 +357,7 @@ class Trainer(Checkpointing, NodeLossHandling):
     def run(self, tracker=None, start_step: int = 0) -> list[dict[str, float]]:
         cfg = self.cfg
         self.start_step = self.latest_version = start_step
+        self.produce_from = start_step + len(self.carried)  # after the pending batches a resume restored
         # --rollout.mode batch: a batch per generate call (_produce); stream | partial: groups streamed (streaming.py)
         produce = self._produce if cfg.rollout.mode == "batch" else StreamProducer(self).run
         producer = threading.Thread(target=produce, name="rollout-producer", daemon=True)
@@ -375,7 +378,7 @@ class Trainer(Checkpointing, NodeLossHandling):
             for step in bar:
                 self.step_in_progress = step
                 t_step = time.time()
-                item = self._next_batch(producer, step)
+                item = self.carried.popleft() if self.carried else self._next_batch(producer, step)
                 if isinstance(item, BaseException):
                     raise item
                 batch: Batch = item
@@ -417,7 +420,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                     stale=f"{metrics['async/staleness_mean']:.1f}",
                 )
                 if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-                    self.save(step + 1, batch.stream_after)
+                    self.save(step + 1, batch.stream_after, producer)
             ended = True
         except (Exception, KeyboardInterrupt) as e:
             lost = self._lost_nodes_behind(e, watch)
