@@ -37,12 +37,17 @@ def hold_default_agent_port() -> socket.socket | None:
 
 
 @pytest.fixture(scope="module")
-def head():
-    """A Ray head started by scripts/ray_head.sh (`ray start --head --num-cpus 2` on loopback), stopped by its id."""
+def head(tmp_path_factory):
+    """A Ray head started by scripts/ray_head.sh (`ray start --head --num-cpus 2` on loopback), stopped by its id.
+    Its HOME (so its jobs' drivers' too) is a temp folder: a job that leaves --train.output_dir out writes under
+    ~/entropy-openrlhf/outputs/run, which must not be the real home."""
     tmp = tempfile.mkdtemp(prefix="eor_e2e_", dir="/tmp")
     held = hold_default_agent_port()  # the head must not depend on that port being free
     env = {k: v for k, v in os.environ.items() if k not in PROJECT_ENV}
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"
+    env["HOME"] = str(tmp_path_factory.mktemp("head_home"))
+    # DeepSpeed's CPU ops, built once, stay where `make test` keeps them (not rebuilt under the temp home)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
     subprocess.run(["bash", "scripts/ray_head.sh", "start", tmp, DASH, GCS], cwd=ROOT, check=True, env=env)
     try:
         yield env
@@ -71,13 +76,17 @@ def submit(env: dict, runtime_env: dict, args: list[str], timeout: float) -> tup
 
 
 @pytest.mark.timeout(1200)  # above the submit's own 900 s, so that limit is the one that reports a slow job
-def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head, tmp_path):
+def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head):
+    """A submission with no --train.output_dir: the run resolves it to ~/entropy-openrlhf/outputs/run on the driver's
+    node (outside Ray's copy of the working dir, which Ray deletes with the job), says so at start, and its final
+    model and W&B run land there."""
     # The W&B key as docs/guides/cluster.md shows it: in the job's runtime env (a fake key, offline, nothing leaves).
     runtime_env = {"env_vars": {"WANDB_API_KEY": "0" * 40, "WANDB_MODE": "offline"}, "excludes": EXCLUDES}
-    out_dir = tmp_path / "run"
-    code, log = submit(head, runtime_env, ["--preset", "smoke", "--train.output_dir", str(out_dir)], timeout=900)
+    out_dir = Path(head["HOME"]) / "entropy-openrlhf" / "outputs" / "run"
+    code, log = submit(head, runtime_env, ["--preset", "smoke"], timeout=900)
     assert code == 0, log[-4000:]
     assert re.search(r"Job '\S+' succeeded", log), log[-4000:]
+    assert f"[entropy-openrlhf] output folder: {out_dir}\n" in log, log[-4000:]
     assert "scaled to fit" in log  # the run reserves 2.75 logical CPUs; the head has 2
     assert "first step mean reward" in log
     final = out_dir / "final"
