@@ -20,8 +20,8 @@ from entropy_openrlhf.algorithms.off_policy import (
     correct,
     from_legacy,
     metrics_by_staleness,
-    selection_by_staleness,
     preset,
+    selection_by_staleness,
 )
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms" / "off_policy.md"
