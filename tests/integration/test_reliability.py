@@ -105,10 +105,17 @@ class Weights:
             self.policy.shutdown()
 
 
+HUNG_DEADLINE_S = 20.0  # --rollout.generate_timeout_s while an engine hangs
+
+
 # Every sync method: the object store reloads a restarted engine from the chunks it keeps; the collective sync
 # re-exports from the policy and rebuilds its process group on every member (step 4 shows a broadcast reaching
 # the restarted engines through it); the adapter sync gives it the adapter it keeps. Step 2 kills an engine that
 # the next sync then finds dead: the sync still completes, and the dead engine gets the weights once restarted.
+# Step 5 (object store and collective: the deadline kills engines on purpose, so a collective run must survive the
+# restart too) freezes an engine in generate: past --rollout.generate_timeout_s the group kills it, and the dead-engine
+# path takes over.
+@pytest.mark.timeout(1200)  # two engines killed five times, each restart a vLLM start on a loaded 2-core machine
 @pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray_cluster, tiny_model, method):
     import ray
@@ -195,46 +202,34 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
             # reloaded at once and rejoins the group at the next sync, on the trainer thread
             assert weights.weight_sync.rebuilds == 3
         assert group.restarts == early + 3
+
+        if method != "adapter":
+            # 5. engine 0 hangs in generate, alive but never answering: nothing tells Ray, only the deadline can
+            hung_prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
+            hung_sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=5)
+            group.generate_timeout_s = HUNG_DEADLINE_S
+            want = group.generate(hung_prompts, policy_version=3, **hung_sampling)
+            restarts, rebuilds = group.restarts, getattr(weights.weight_sync, "rebuilds", 0)
+            pid = engine_pid(group.actors[0])
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                got = group.generate(hung_prompts, policy_version=3, **hung_sampling)
+                waited = time.monotonic() - t0
+            finally:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            assert waited >= HUNG_DEADLINE_S
+            assert group.restarts == restarts + 1 and engine_pid(group.actors[0]) != pid
+            assert tokens(got) == tokens(want)  # regenerated with the version-3 weights reloaded into the new engine
+            assert [s.policy_version for s in got] == [3] * len(got)
+            weights.sync(4)  # the next sync reaches the new engine (collective: through the rebuilt group)
+            assert group.generate(hung_prompts, policy_version=4, **hung_sampling)
+            assert ray.get([a.get_version.remote() for a in group.actors], timeout=60) == [4, 4]
+            assert getattr(weights.weight_sync, "rebuilds", 0) == rebuilds + (1 if method == "collective" else 0)
     finally:
-        if weights is not None:
-            weights.close()
-        group.shutdown()
-
-
-# Both sync methods: the deadline kills engines on purpose, so a collective run must survive the restart too.
-@pytest.mark.parametrize("method", ["object_store", "collective"])
-def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generated_again(
-    ray_cluster, tiny_model, method
-):
-    from entropy_openrlhf.actors.rollout import RolloutGroup
-
-    prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
-    sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=5)
-    deadline = 20.0
-    group = RolloutGroup(
-        tiny_model, num_engines=1, num_cpus_per_engine=1, seed=0, max_model_len=512, generate_timeout_s=deadline
-    )
-    pid = engine_pid(group.actors[0])
-    weights = None
-    try:
-        weights = Weights(method, group, tiny_model)
-        weights.sync(1)
-        want = group.generate(prompts, policy_version=1, **sampling)
-        os.kill(pid, signal.SIGSTOP)  # alive but never answering: nothing tells Ray, only the deadline can
-        t0 = time.monotonic()
-        got = group.generate(prompts, policy_version=1, **sampling)
-        assert time.monotonic() - t0 >= deadline
-        assert group.restarts == 1 and engine_pid(group.actors[0]) != pid
-        assert tokens(got) == tokens(want)  # regenerated with the version-1 weights reloaded into the new engine
-        assert [s.policy_version for s in got] == [1] * len(got)
-        weights.sync(2)  # the next sync reaches the new engine (collective: through the rebuilt group)
-        assert group.generate(prompts, policy_version=2, **sampling)
-        assert getattr(weights.weight_sync, "rebuilds", 0) == (1 if method == "collective" else 0)
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         if weights is not None:
             weights.close()
         group.shutdown()
@@ -244,20 +239,26 @@ def test_hung_engine_is_killed_at_the_generate_deadline_and_its_prompts_generate
 
 
 class Recorder:
-    """Takes the tracker's place: keeps what the trainer logs, and runs `on_step[step]` once that step is logged."""
+    """Takes the tracker's place: keeps what the trainer logs, and runs `on_step[step]` once that step is logged.
+    Given a real `tracker`, it passes everything on to it too (W&B and metrics.jsonl)."""
 
-    def __init__(self, on_step: dict | None = None):
+    def __init__(self, on_step: dict | None = None, tracker=None):
         self.metrics: dict[int, dict] = {}
         self.samples: dict[int, list] = {}
         self.on_step = on_step or {}
+        self.tracker = tracker
 
     def log(self, metrics: dict, step: int) -> None:
         self.metrics[step] = dict(metrics)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
         if step in self.on_step:
             self.on_step[step]()
 
     def log_samples(self, samples: list, step: int) -> None:
         self.samples[step] = list(samples)
+        if self.tracker is not None:
+            self.tracker.log_samples(samples, step)
 
 
 def make_trainer(tmp_path: Path, *flags: str):
@@ -277,9 +278,12 @@ def make_trainer(tmp_path: Path, *flags: str):
 
 # Every sync method: with collective, the restart happens while the trainer thread trains and broadcasts, so the
 # policy's re-export and the group's rebuild run alongside the trainer's own calls to the policy; with adapter (a
-# LoRA policy), the producer's adapter load is what the engine is frozen in or about to run.
+# LoRA policy), the producer's adapter load is what the engine is frozen in or about to run. The collective run is
+# also the pipeline's run with that sync (asynchronous, logged through a real tracker): its timings and metrics.
 @pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
+    import json
+
     import ray
 
     lora = ["--actor.lora_rank", str(LORA_RANK)] if method == "adapter" else []
@@ -293,10 +297,23 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
 
-    recorder = Recorder({0: kill})
+    tracker = None
+    if method == "collective":
+        from entropy_openrlhf.pipeline.tracking import Tracker
+
+        tracker = Tracker("test", "collective", cfg.flatten(), cfg.train.output_dir)
+    recorder = Recorder({0: kill}, tracker)
     try:
+        if method == "collective":
+            assert isinstance(trainer.sync, CollectiveSync)
         history = trainer.run(recorder)
         assert [h["step"] for h in history] == [0, 1, 2, 3]  # no step lost, none repeated
+        if method == "collective":
+            for h in history:
+                assert h["async/staleness_max"] <= 1
+                assert h["time/sync"] > 0 and h["time/sync_wait"] >= 0
+            # the collective path leaves nothing for the producer to load: the engines already hold the last weights
+            assert trainer.sync.engine_version == 4
         assert recorder.metrics[3]["rollout/engine_restarts"] == 1.0
         assert engine_pid(trainer.rollout.actors[0]) != pid
         per_step = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
@@ -317,6 +334,14 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
         assert max(abs(a - b) for a, b in zip(engine_lp, policy_lp)) < 1e-3
     finally:
         trainer.shutdown_groups()
+        if tracker is not None:
+            tracker.finish()
+    if tracker is not None:  # every step's row in metrics.jsonl, each metric defined in docs/guides/metrics.md
+        from tests.integration.test_pipeline import assert_documented
+
+        lines = [json.loads(x) for x in tracker.jsonl_path.read_text().splitlines()]
+        assert [x["step"] for x in lines] == [0, 1, 2, 3]
+        assert_documented({k for line in lines for k in line if k != "step"})
 
 
 # Every sync method: the object store's and the adapter's loads run in the producer thread, the broadcast in the

