@@ -266,26 +266,31 @@ def actor_step(cfg: Config, model_path: str, samples: list[TrainSample]) -> tupl
     return initial, metrics, actor
 
 
-@pytest.mark.parametrize(
-    "loss, scope, workers, shared_prefix, within, lora",
-    [("kl_cov", "micro_batch", 1, "on", "", 0), ("clip_cov", "micro_batch", 1, "off", "", 0),
-     ("kl_cov", "global", 2, "auto", "", 0), ("clip_cov", "global", 2, "on", "", 0),
-     ("high_entropy", "micro_batch", 2, "on", "", 0), ("high_entropy", "global", 2, "off", "", 0),
-     ("cispo", "micro_batch", 1, "auto", "", 0), ("gspo", "micro_batch", 2, "on", "", 0),
-     ("kl_cov", "micro_batch", 1, "off", "high_entropy", 0),
-     ("kl_cov", "micro_batch", 1, "auto", "", 8), ("clip_cov", "global", 2, "on", "", 8)],
-)  # fmt: skip
-def test_one_actor_step_equals_the_reference_step(
-    ray_cluster, tiny_model, loss, scope, workers, shared_prefix, within, lora
-):
-    """`shared_prefix` on/auto: the actor packs each micro-batch's pair of responses behind their one prompt; the
-    reference never packs. Every registered objective is here, through the registry on the actor's side and through
-    the plain loss functions on the reference's. `lora`: the adapters train (ZeRO-3 over two ranks), the base stays,
-    and the exported weights are the base with the adapters' update merged."""
-    cfg = config(loss, scope, workers, shared_prefix, within, lora)
-    samples, old_rows = make_batch(tiny_model)
-    initial, metrics, actor = actor_step(cfg, tiny_model, samples)
-    expected, fracs, weights = reference_step(tiny_model, cfg, samples, old_rows, workers)
+# Every registered objective, through the registry on the actor's side and the plain loss functions on the
+# reference's: (loss, scope, ranks, shared_prefix, within, lora). The cases whose part of the step is only the actor's
+# own code (an objective's loss and selection inside a micro-batch, one rank's packing) run on the real DeepSpeed
+# group here in one case each kind of DeepSpeed step needs (one rank and two, both scopes, LoRA under ZeRO-2 and
+# ZeRO-3); the others run the same actor code and the same checks behind tests/unit/policy_harness.py's stand-in for
+# the DeepSpeed engine, in tests/unit/test_actor_step_reference.py.
+DEEPSPEED_CASES = [
+    ("kl_cov", "micro_batch", 1, "on", "", 0), ("kl_cov", "global", 2, "auto", "", 0),
+    ("clip_cov", "global", 2, "on", "", 0), ("high_entropy", "global", 2, "off", "", 0),
+    ("kl_cov", "micro_batch", 1, "auto", "", 8), ("clip_cov", "global", 2, "on", "", 8),
+]  # fmt: skip
+HARNESS_CASES = [
+    ("clip_cov", "micro_batch", 1, "off", "", 0), ("high_entropy", "micro_batch", 2, "on", "", 0),
+    ("cispo", "micro_batch", 1, "auto", "", 0), ("gspo", "micro_batch", 2, "on", "", 0),
+    ("kl_cov", "micro_batch", 1, "off", "high_entropy", 0),
+]  # fmt: skip
+# --train.ppo_epochs 2: (loss, scope, ranks, shared_prefix)
+DEEPSPEED_TWO_PASS_CASES = [("clip_cov", "global", 2, "on")]
+HARNESS_TWO_PASS_CASES = [("kl_cov", "micro_batch", 1, "off")]
+
+
+def check_one_step(model_path, cfg, loss, scope, workers, within, samples, old_rows, initial, metrics, actor) -> None:
+    """The step the actor took (`initial` and `actor`: the weights before and after it, `metrics` its merged metrics)
+    against the reference step on the same samples: the weights, the selected shares and the importance weights."""
+    expected, fracs, weights = reference_step(model_path, cfg, samples, old_rows, workers)
 
     def deviation(state: dict) -> float:
         return max(float((actor[k].float() - state[k]).abs().max()) for k in actor)
@@ -293,10 +298,10 @@ def test_one_actor_step_equals_the_reference_step(
     update = max(float((expected[k] - initial[k]).abs().max()) for k in actor)
     tolerance = 1e-3 * update
     assert update > 1e-3  # the step moved the weights
-    case = f"{loss}/{scope}/{workers}/{shared_prefix}/{within}/lora{lora}"
+    case = f"{loss}/{scope}/{workers}/{cfg.train.shared_prefix}/{within}/lora{cfg.actor.lora_rank}"
     print(f"\n{case}: update {update:.3g}, deviation {deviation(expected):.3g}")
     assert deviation(expected) < tolerance, (deviation(expected), update)
-    unselected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers, select=False)
+    unselected, _, _ = reference_step(model_path, cfg, samples, old_rows, workers, select=False)
     print(f"without selection: deviation {deviation(unselected):.3g}")
     assert deviation(unselected) > 20 * tolerance  # the selection matters at this tolerance
 
@@ -339,20 +344,25 @@ def test_one_actor_step_equals_the_reference_step(
     assert metrics["offpolicy/weight_max"] == pytest.approx(IS_CAP)  # reduced by max over micro-batches
 
 
-@pytest.mark.parametrize(
-    "loss, scope, workers, shared_prefix", [("kl_cov", "micro_batch", 1, "off"), ("clip_cov", "global", 2, "on")]
-)
-def test_two_passes_over_the_batch_equal_the_reference_steps(
-    ray_cluster, tiny_model, loss, scope, workers, shared_prefix
+@pytest.mark.parametrize("loss, scope, workers, shared_prefix, within, lora", DEEPSPEED_CASES)
+def test_one_actor_step_equals_the_reference_step(
+    ray_cluster, tiny_model, loss, scope, workers, shared_prefix, within, lora
 ):
-    """`--train.ppo_epochs 2`: each mini-batch trains twice, the second pass against the same old log-probs and
-    importance weights, with its own Clip-Cov draws and (global scope) a selection from the weights as they are
-    then. A reference of one pass misses by far."""
-    cfg = config(loss, scope, workers, shared_prefix, epochs=2)
+    """`shared_prefix` on/auto: the actor packs each micro-batch's pair of responses behind their one prompt; the
+    reference never packs. Every registered objective is pinned to the reference through the registry on the actor's
+    side and the plain loss functions on the reference's (DEEPSPEED_CASES here, HARNESS_CASES behind the harness).
+    `lora`: the adapters train (ZeRO-3 over two ranks), the base stays, and the exported weights are the base with
+    the adapters' update merged."""
+    cfg = config(loss, scope, workers, shared_prefix, within, lora)
     samples, old_rows = make_batch(tiny_model)
     initial, metrics, actor = actor_step(cfg, tiny_model, samples)
-    expected, _, _ = reference_step(tiny_model, cfg, samples, old_rows, workers)
-    one_pass, _, _ = reference_step(tiny_model, config(loss, scope, workers, shared_prefix), samples, old_rows, workers)
+    check_one_step(tiny_model, cfg, loss, scope, workers, within, samples, old_rows, initial, metrics, actor)
+
+
+def check_two_passes(model_path, cfg, loss, scope, workers, shared_prefix, samples, old_rows, initial, metrics, actor):
+    """Two passes' step against the reference of two passes, which one pass misses by far."""
+    expected, _, _ = reference_step(model_path, cfg, samples, old_rows, workers)
+    one_pass, _, _ = reference_step(model_path, config(loss, scope, workers, shared_prefix), samples, old_rows, workers)
 
     def deviation(state: dict) -> float:
         return max(float((actor[k].float() - state[k]).abs().max()) for k in actor)
@@ -364,6 +374,19 @@ def test_two_passes_over_the_batch_equal_the_reference_steps(
     assert deviation(expected) < 1e-3 * update
     assert deviation(one_pass) > 20e-3 * update
     assert metrics["train/skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("loss, scope, workers, shared_prefix", DEEPSPEED_TWO_PASS_CASES)
+def test_two_passes_over_the_batch_equal_the_reference_steps(
+    ray_cluster, tiny_model, loss, scope, workers, shared_prefix
+):
+    """`--train.ppo_epochs 2`: each mini-batch trains twice, the second pass against the same old log-probs and
+    importance weights, with its own Clip-Cov draws and (global scope) a selection from the weights as they are
+    then. A reference of one pass misses by far. (KL-Cov on one rank: the harness, HARNESS_TWO_PASS_CASES.)"""
+    cfg = config(loss, scope, workers, shared_prefix, epochs=2)
+    samples, old_rows = make_batch(tiny_model)
+    initial, metrics, actor = actor_step(cfg, tiny_model, samples)
+    check_two_passes(tiny_model, cfg, loss, scope, workers, shared_prefix, samples, old_rows, initial, metrics, actor)
 
 
 def test_bypass_step_equals_the_reference_step_against_the_rollout_log_probs(ray_cluster, tiny_model):
