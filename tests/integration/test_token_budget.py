@@ -62,11 +62,32 @@ def one_step(model_path: str, cfg, samples) -> tuple[dict[str, torch.Tensor], di
     return weights, metrics
 
 
+def steps_from_one_start(model_path: str, cfg, runs: list, ckpt: str) -> list[tuple[dict, dict]]:
+    """(weights, metrics) of one step from the group's initial state for each (token budget, samples) of `runs`, on
+    one group: its state is saved before the first step and loaded back before each other one (a DeepSpeed
+    checkpoint brings back the weights, optimizer and schedule bit for bit,
+    test_resume.py::test_policy_checkpoint_restores_weights_optimizer_and_rng). The budget is the driver's to apply
+    (PolicyGroup.train_step cuts the micro-batches and sends their sizes), so one group serves every budget."""
+    group = PolicyGroup(cfg, model_path)
+    out = []
+    try:
+        group.call_all("save_checkpoint", ckpt, "initial")
+        for i, (budget, samples) in enumerate(runs):
+            if i:
+                group.call_all("load_checkpoint", ckpt, "initial")
+            group.cfg.train.max_tokens_per_micro_batch = budget
+            metrics = group.train_step(samples, 0)
+            out.append((group.call_all("export_weights")[0], metrics))
+    finally:
+        group.shutdown()
+    return out
+
+
 # with shared-prefix packing off the ranks' shares are balanced sample by sample and one rank runs a stand-in; with it
 # on a prompt's responses go to one rank together
 @pytest.mark.parametrize("agg, shared_prefix, stand_ins", [("token_mean", "off", True),
                                                            ("seq_mean_token_mean", "on", False)])  # fmt: skip
-def test_a_token_budget_gives_the_fixed_splits_step(ray_cluster, tiny_model, agg, shared_prefix, stand_ins):
+def test_a_token_budget_gives_the_fixed_splits_step(ray_cluster, tiny_model, tmp_path, agg, shared_prefix, stand_ins):
     samples = make_samples()
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     layout = token_layout(lengths, [tuple(s.prompt_ids) for s in samples], MINI, WORKERS, BUDGET,
@@ -79,8 +100,11 @@ def test_a_token_budget_gives_the_fixed_splits_step(ray_cluster, tiny_model, agg
     assert (real[0] != real[1]) == stand_ins, (counts, real)
 
     initial = {k: v.detach() for k, v in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict().items()}
-    fixed, _ = one_step(tiny_model, config(agg, shared_prefix, 0), samples)
-    budget, metrics = one_step(tiny_model, config(agg, shared_prefix, BUDGET), samples)
+    # the fixed split, the budget, and the control below (the budget's step on half the batch), from one start
+    (fixed, _), (budget, metrics), (half, _) = steps_from_one_start(
+        tiny_model, config(agg, shared_prefix, 0), [(0, samples), (BUDGET, samples), (BUDGET, samples[: N // 2])],
+        str(tmp_path / "ckpt"),
+    )  # fmt: skip
 
     def deviation(a: dict, b: dict) -> float:
         return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
@@ -99,5 +123,4 @@ def test_a_token_budget_gives_the_fixed_splits_step(ray_cluster, tiny_model, agg
     assert deviation(chunked, fixed) < 1e-4 * update
 
     # the control: the same step on half the batch moves the weights elsewhere, far beyond the tolerance
-    half, _ = one_step(tiny_model, config(agg, shared_prefix, BUDGET), samples[: N // 2])
     assert deviation(half, fixed) > 100 * 1e-4 * update
