@@ -1,5 +1,6 @@
 """`ray job submit` of pipelines/kl_cov.py, as a user does it, against a plain Ray head on 127.0.0.1 that has Ray's
-laptop default of 2 logical CPUs and none of the project's CPU settings in its environment."""
+laptop default of 2 logical CPUs and none of the project's CPU settings in its environment; and of the OpenRLHF
+route's stand-in for train_ppo_ray on the same head (one head for the module)."""
 
 import json
 import os
@@ -113,6 +114,20 @@ def test_a_lora_job_syncs_only_the_adapter_and_saves_it_beside_the_merged_model(
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(0 < m["sync/mb"] < 1 for m in metrics)  # a rank-8 adapter of the tiny model: well under a MiB
     assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the base
+
+
+@pytest.mark.timeout(1200)
+def test_the_openrlhf_route_s_setup_hook_under_ray_job_submit(head):
+    """The OpenRLHF route (tests/integration/test_openrlhf_route.py, its stand-in for train_ppo_ray) as a job on this
+    head: the job's runtime env (working_dir) and the one our hook adds to OpenRLHF's ray.init are merged by Ray, and
+    the objective is installed in OpenRLHF's policy actor while a plain task of the job stays light."""
+    from tests.integration.test_openrlhf_route import OBJECTIVE_FLAGS, check_probes, run_child
+
+    submit = [str(ROOT / ".venv/bin/ray"), "job", "submit", "--address", f"http://127.0.0.1:{DASH}",
+              "--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
+              "python", "-m", "tests.integration.test_openrlhf_route", "route", *OBJECTIVE_FLAGS,
+              "--timeout", "600"]  # fmt: skip
+    check_probes(run_child(submit, timeout=900, env=head), ranks=1)
 
 
 def test_a_run_that_needs_missing_gpus_fails_in_one_line(head, tmp_path):

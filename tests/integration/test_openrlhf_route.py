@@ -8,7 +8,8 @@
 2. The Ray worker setup hook: `main()` runs a stand-in for train_ppo_ray (this module as __main__, since the real
    one needs GPUs for vLLM and the policy) which starts Ray as OpenRLHF does and places OpenRLHF's real
    `PolicyModelActor`s with OpenRLHF's own `RayActorGroup`; in each, `ppo_actor.PolicyLoss` is the adapter and the
-   trainer class builds it. Also under `ray job submit`.
+   trainer class builds it. Also under `ray job submit`, on the e2e tier's Ray head
+   (tests/e2e/test_ray_job_submit.py::test_the_openrlhf_route_s_setup_hook_under_ray_job_submit).
 Each runs in a child process: DeepSpeed and torch.distributed state, and a Ray of its own, stay out of pytest's.
 """
 
@@ -21,7 +22,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -481,28 +481,6 @@ def test_setup_hook_installs_the_objective_in_openrlhfs_policy_actors():
     r = run_child([*ROUTE, *OBJECTIVE_FLAGS, "--gpus", "2", "--timeout", "600"], timeout=840)
     check_probes(r, ranks=2)
     assert sorted(i for x in r["actors"] for i in x["gpu_ids"]) == ["0", "1"]  # one bundle each, as placed
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(1200)
-def test_same_under_ray_job_submit(tmp_path):
-    """`ray job submit` to a plain Ray head on 127.0.0.1 (scripts/ray_head.sh, stopped by its temp dir): the job's
-    runtime env (working_dir) and the one our hook adds to OpenRLHF's ray.init are merged by Ray."""
-    head = tempfile.mkdtemp(prefix="eor_openrlhf_", dir="/tmp")
-    dash, gcs = "8285", "6405"
-    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
-    subprocess.run(["bash", "scripts/ray_head.sh", "start", head, dash, gcs], cwd=ROOT, check=True, env=env)
-    try:
-        runtime_env = {"excludes": [".venv*", "outputs", "wandb", ".git"]}
-        submit = [str(ROOT / ".venv/bin/ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}",
-                  "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
-                  "python", "-m", "tests.integration.test_openrlhf_route", "route", *OBJECTIVE_FLAGS,
-                  "--timeout", "600"]  # fmt: skip
-        r = run_child(submit, timeout=900, env=env)
-    finally:
-        subprocess.run(["bash", "scripts/ray_head.sh", "stop", head], cwd=ROOT, env=env)
-    assert subprocess.run(["pgrep", "-f", head], capture_output=True).returncode == 1  # nothing of the head left
-    check_probes(r, ranks=1)
 
 
 if __name__ == "__main__":
