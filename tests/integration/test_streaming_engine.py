@@ -147,10 +147,14 @@ def test_weights_loaded_in_flight_give_samples_of_two_versions(engine, weights, 
     kv = request.node.callspec.params["engine"]
     old, new = weights
     ps = prompts(6)
-    requests = [TokenRequest(f"{kv}{i}", p, 80, seed=50 + i) for i, p in enumerate(ps)]
+    # The load must land while requests run, so nothing slow sits between "10 steps done" and the load: the chunks
+    # are in the object store before the requests start, and each request has ~400 steps left when the load is sent
+    # (an 80-token request once finished before a load reached the engine on a loaded CI machine).
+    chunks = ray.put(make_chunks(new, 4 * MB))
+    requests = [TokenRequest(f"{kv}{i}", p, 480 - len(p), seed=50 + i) for i, p in enumerate(ps)]
     call(engine.submit.remote(requests), "submit")
     wait_steps(engine, call(engine.stream_stats.remote(), "stream_stats")["steps"] + 10)
-    call(engine.update_weights.remote(make_chunks(new, 4 * MB), 1), "update_weights (in flight)")
+    call(engine.update_weights.remote(chunks, 1), "update_weights (in flight)")
     results = collect(engine, {r.request_id for r in requests})
     spanning = [r for r in results.values() if 0 in r.versions and 1 in r.versions]
     assert spanning, {r.request_id: (r.versions.count(0), r.versions.count(1)) for r in results.values()}
