@@ -32,7 +32,7 @@ format: setup
 	.venv/bin/ruff format .
 
 test: setup lint
-	$(PY) -m pytest -q -rs --durations=15 tests
+	$(PY) -m pytest -q -rs --durations=40 tests
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit

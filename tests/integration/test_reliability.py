@@ -110,12 +110,16 @@ HUNG_DEADLINE_S = 20.0  # --rollout.generate_timeout_s while an engine hangs
 
 # Every sync method: the object store reloads a restarted engine from the chunks it keeps; the collective sync
 # re-exports from the policy and rebuilds its process group on every member (step 4 shows a broadcast reaching
-# the restarted engines through it); the adapter sync gives it the adapter it keeps. Step 2 kills an engine that
-# the next sync then finds dead: the sync still completes, and the dead engine gets the weights once restarted.
-# Step 5 (object store and collective: the deadline kills engines on purpose, so a collective run must survive the
-# restart too) freezes an engine in generate: past --rollout.generate_timeout_s the group kills it, and the dead-engine
-# path takes over.
-@pytest.mark.timeout(1200)  # two engines killed five times, each restart a vLLM start on a loaded 2-core machine
+# the restarted engines through it); the adapter sync gives it the adapter it keeps. Step 1 kills an engine while it
+# generates (the group reloads it and generates its prompts again), step 2 one that the next sync then finds dead:
+# the sync still completes, and the dead engine gets the weights once restarted. Those are the two ways each method
+# reloads an engine, so every method runs them. The other steps exercise the group's own paths, the same for every
+# method except the collective sync's rebuilt group, so only the collective run takes them (a vLLM restart each on
+# a 2-core machine): step 0, an engine restarted before the first sync; step 3, one restarted idle and found stale
+# before a generation; step 4, a broadcast through the rebuilt group; step 5, an engine frozen in generate, killed
+# by the group past --rollout.generate_timeout_s (the deadline kills engines on purpose, so a collective run must
+# survive the restart too).
+@pytest.mark.timeout(1200)  # up to five engine kills, each restart a vLLM start on a loaded 2-core machine
 @pytest.mark.parametrize("method", ["object_store", "collective", "adapter"])
 def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray_cluster, tiny_model, method):
     import ray
@@ -131,16 +135,18 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
     try:
         weights = Weights(method, group, tiny_model)
         from_disk = group.generate(prompts, policy_version=0, **sampling)
+        every_step = method == "collective"
 
-        # 0. engine 1 dies while idle before the first sync, and is back before it: it holds version 0, as the group
-        # does, so only its new process tells the restart (collective: it is in no broadcast group; seen in a run
-        # whose engine was OOM-killed during its first step)
-        pid = engine_pid(group.actors[1])
-        os.kill(pid, signal.SIGKILL)
-        wait_restarted(group.actors[1], pid)
+        if every_step:
+            # 0. engine 1 dies while idle before the first sync, and is back before it: it holds version 0, as the
+            # group does, so only its new process tells the restart (collective: it is in no broadcast group; seen
+            # in a run whose engine was OOM-killed during its first step)
+            pid = engine_pid(group.actors[1])
+            os.kill(pid, signal.SIGKILL)
+            wait_restarted(group.actors[1], pid)
         weights.sync(1)
-        # the object store sends the restarted engine its chunks like any other; the collective sync rebuilt its group
-        early = 1 if method == "collective" else 0
+        # the collective sync rebuilt its group for the engine restarted in step 0
+        early = 1 if every_step else 0
         assert group.restarts == early
         assert ray.get([a.get_version.remote() for a in group.actors]) == [1, 1]
         undisturbed = group.generate(prompts, policy_version=1, **sampling)
@@ -178,6 +184,8 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         per_engine = ray.get([a.sequence_log_probs.remote(*ids) for a in group.actors])
         assert per_engine[0] == per_engine[1]  # the restarted engine holds the same version-2 weights
 
+        if not every_step:
+            return  # the object store's and the adapter's reload paths are done (the finally block cleans up)
         # 3. engine 0 dies while idle and is back (from the disk weights) before the next generation
         want = group.generate(prompts, policy_version=2, **sampling)
         pid = engine_pid(group.actors[0])
@@ -197,38 +205,36 @@ def test_killed_engine_is_restarted_reloaded_and_its_prompts_generated_again(ray
         if weights.policy is not None:  # and they hold the policy's weights
             policy_lp = weights.policy.call_all("forward_log_probs", *ids)[0]
             assert max(abs(a - b) for a, b in zip(per_engine[0][0], policy_lp[0])) < 1e-3
-        if method == "collective":
-            # one per sync that found restarted engines (0, 2 and 4): a restart found while generating (1, 3) is
-            # reloaded at once and rejoins the group at the next sync, on the trainer thread
-            assert weights.weight_sync.rebuilds == 3
+        # one per sync that found restarted engines (0, 2 and 4): a restart found while generating (1, 3) is
+        # reloaded at once and rejoins the group at the next sync, on the trainer thread
+        assert weights.weight_sync.rebuilds == 3
         assert group.restarts == early + 3
 
-        if method != "adapter":
-            # 5. engine 0 hangs in generate, alive but never answering: nothing tells Ray, only the deadline can
-            hung_prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
-            hung_sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=5)
-            group.generate_timeout_s = HUNG_DEADLINE_S
-            want = group.generate(hung_prompts, policy_version=3, **hung_sampling)
-            restarts, rebuilds = group.restarts, getattr(weights.weight_sync, "rebuilds", 0)
-            pid = engine_pid(group.actors[0])
-            os.kill(pid, signal.SIGSTOP)
+        # 5. engine 0 hangs in generate, alive but never answering: nothing tells Ray, only the deadline can
+        hung_prompts = [PromptItem(index=i, prompt=CHAT.format(f"What is {i} * 2?"), label="") for i in range(3)]
+        hung_sampling = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=5)
+        group.generate_timeout_s = HUNG_DEADLINE_S
+        want = group.generate(hung_prompts, policy_version=3, **hung_sampling)
+        restarts, rebuilds = group.restarts, weights.weight_sync.rebuilds
+        pid = engine_pid(group.actors[0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = group.generate(hung_prompts, policy_version=3, **hung_sampling)
+            waited = time.monotonic() - t0
+        finally:
             try:
-                t0 = time.monotonic()
-                got = group.generate(hung_prompts, policy_version=3, **hung_sampling)
-                waited = time.monotonic() - t0
-            finally:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            assert waited >= HUNG_DEADLINE_S
-            assert group.restarts == restarts + 1 and engine_pid(group.actors[0]) != pid
-            assert tokens(got) == tokens(want)  # regenerated with the version-3 weights reloaded into the new engine
-            assert [s.policy_version for s in got] == [3] * len(got)
-            weights.sync(4)  # the next sync reaches the new engine (collective: through the rebuilt group)
-            assert group.generate(hung_prompts, policy_version=4, **hung_sampling)
-            assert ray.get([a.get_version.remote() for a in group.actors], timeout=60) == [4, 4]
-            assert getattr(weights.weight_sync, "rebuilds", 0) == rebuilds + (1 if method == "collective" else 0)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert waited >= HUNG_DEADLINE_S
+        assert group.restarts == restarts + 1 and engine_pid(group.actors[0]) != pid
+        assert tokens(got) == tokens(want)  # regenerated with the version-3 weights reloaded into the new engine
+        assert [s.policy_version for s in got] == [3] * len(got)
+        weights.sync(4)  # the next sync reaches the new engine through the rebuilt group
+        assert group.generate(hung_prompts, policy_version=4, **hung_sampling)
+        assert ray.get([a.get_version.remote() for a in group.actors], timeout=60) == [4, 4]
+        assert weights.weight_sync.rebuilds == rebuilds + 1
     finally:
         if weights is not None:
             weights.close()
