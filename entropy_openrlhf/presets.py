@@ -21,6 +21,12 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "high_entropy": {"loss.type": "high_entropy"},
     "cispo": {"loss.type": "cispo"},
     "gspo": {"loss.type": "gspo"},
+    # SAPO at its temperatures 1.0 / 1.05 (verl, TRL and SkyRL); DPPO with the binary-TV region of 0.15 and TIS at 20
+    # (TRL); CE-GPPO as its authors run it: the 7B recipe's betas 0.75 / 1.0 on a PPO clip of 0.2 / 0.2, with the
+    # dual clip of 10 every recipe of theirs applies
+    "sapo": {"loss.type": "sapo"},
+    "dppo": {"loss.type": "dppo"},
+    "ce_gppo": {"loss.type": "ce_gppo", "loss.clip_low": 0.2, "loss.clip_high": 0.2, "loss.dual_clip": 10.0},
 }
 
 # The paper's recipe (docs/algorithms/losses.md; the verl recipe scripts): GRPO n=8, 256 prompts per step in 8

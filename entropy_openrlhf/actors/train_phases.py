@@ -40,6 +40,7 @@ from entropy_openrlhf.actors.forward import (
 from entropy_openrlhf.actors.lora import adapter_off
 from entropy_openrlhf.actors.micro_batches import fixed_layout
 from entropy_openrlhf.actors.step_data import TrainSample, reduce_micro_batches
+from entropy_openrlhf.algorithms.advantages import entropy_advantage
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
 from entropy_openrlhf.algorithms.metrics import entropy_stats
 from entropy_openrlhf.algorithms.objectives import (
@@ -208,7 +209,8 @@ def prepare_step(
         params=objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob),
         off_policy=off_policy,
         select_globally=lc.scope == "global" and objective.select is not None,
-        needs_entropy=objective_needs_entropy(lc.type, lc),
+        # the entropy-based advantage shapes every loss call's advantages with the training forward's entropy
+        needs_entropy=objective_needs_entropy(lc.type, lc) or cfg.algo.entropy_adv() is not None,
         bonus_coef=lc.entropy_coef if entropy_coef is None else float(entropy_coef),
         minis=minis,
         epochs=cfg.train.ppo_epochs,
@@ -306,6 +308,7 @@ def optimizer_step(
         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
         agg_norm_len=lc.agg_norm_len or setup.cfg.rollout.max_new_tokens, tokens=tokens, sequences=sequences,
         dp_size=setup.world_size, micro_batches=max(1, sum(bool(s.batches[i].mask.any()) for i in idx)),
+        entropy_adv=setup.cfg.algo.entropy_adv(),
     )  # fmt: skip
     selections: dict[int, torch.Tensor | None] = {i: None for i in idx}
     update = epoch * len(s.minis) + mini  # the step's optimizer steps so far, over its passes
@@ -342,9 +345,21 @@ def select_globally(
                 forward_log_probs(engine, s.batches[i], temperature=temperature, with_entropy=s.needs_entropy)
                 for i in idx
             ]
+
+    def advantages(i: int, entropy: torch.Tensor | None) -> torch.Tensor:
+        """Micro-batch i's advantages as its loss call will see them: shaped by the entropy-based advantage when it
+        is on, with the entropy of these weights (those of the training forwards to come), so that the selection
+        and its covariance means are the loss's."""
+        if base.entropy_adv is None:
+            return s.advantages[i]
+        alpha, kappa = base.entropy_adv
+        return entropy_advantage(s.advantages[i], entropy, s.batches[i].mask, alpha=alpha, kappa=kappa)
+
     # the old pass computed the weights; s.off_policy.weighs is alike on every rank, so all gather the same rows
     pooled = [
-        TokenBatch(lp.float(), s.old_lp[i], s.advantages[i], s.batches[i].mask, entropy=ent, is_weights=s.is_weights[i])
+        TokenBatch(
+            lp.float(), s.old_lp[i], advantages(i, ent), s.batches[i].mask, entropy=ent, is_weights=s.is_weights[i]
+        )
         for (lp, ent), i in zip(current, idx)
     ]
     lc, generator = setup.cfg.loss, _generator(setup, s.step, update, 0)

@@ -11,6 +11,7 @@ registry's names, so a new estimator is one decorated function here (README, "Ad
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -93,3 +94,63 @@ def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator
 def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(N,) per-response advantages -> (N, L) per-token, 0 on padding."""
     return advantages.float().unsqueeze(-1) * mask.float()
+
+
+# --------------------------------------------------------------------------- per-token shaping (not an estimator)
+
+
+def check_entropy_advantage(alpha: float, kappa: float) -> None:
+    """alpha finite and >= 0; kappa finite and >= 1 (below 1 the bonus could flip a negative advantage's sign)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"alpha={alpha!r} must be a finite number >= 0 (0: no shaping)")
+    if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not (math.isfinite(kappa) and kappa >= 1):
+        raise ValueError(
+            f"kappa={kappa!r} must be a finite number >= 1: the bonus is capped at |A| / kappa, and below 1 it could "
+            "turn a negative advantage positive"
+        )
+
+
+def entropy_advantage(
+    advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *, alpha: float = 0.4, kappa: float = 2.0
+) -> torch.Tensor:
+    """Cheng et al.'s entropy-based advantage (arXiv 2506.14758; docs/algorithms/losses.md, 'Entropy-based
+    advantage'): A' = A + min(alpha * sg(H), |A| / kappa) on valid tokens, 0 on padding. A float32 (B, L) tensor
+    without a gradient.
+
+    H is the current policy's token entropy. The cap |A| / kappa keeps the sign of every advantage for kappa > 1
+    (a negative one is softened to at most A (1 - 1/kappa)), and a zero advantage gets no bonus. Unlike the
+    estimators above it is per token and needs the policy's entropy, so the trainer applies it inside each loss call
+    (`--algo.entropy_adv_alpha`); the defaults are the third-party implementations' GRPO values, unverified against
+    the paper. Inputs are not modified; NaN/Inf on padding never enters the arithmetic.
+    """
+    check_entropy_advantage(alpha, kappa)
+    if not (advantages.shape == entropy.shape == mask.shape):
+        raise ValueError(
+            f"shape mismatch: advantages {tuple(advantages.shape)}, entropy {tuple(entropy.shape)}, "
+            f"mask {tuple(mask.shape)}"
+        )
+    valid = mask.bool()
+    adv = torch.where(valid, advantages.detach().float(), 0.0)
+    h = torch.where(valid, entropy.detach().float(), 0.0)
+    bonus = torch.minimum(alpha * h, adv.abs() / kappa)
+    return torch.where(valid, adv + bonus, 0.0)
+
+
+def entropy_advantage_metrics(
+    advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *, alpha: float, kappa: float
+) -> dict[str, float]:
+    """What `entropy_advantage` does to one call's tokens: `entropy_adv_shift`, the mean of its bonus A' - A over the
+    valid tokens, and `entropy_adv_capped_frac`, the share of the valid tokens with A != 0 whose bonus is the cap
+    |A| / kappa rather than alpha * H (there the advantage, not the entropy, sets the bonus)."""
+    valid = mask.bool()
+    n = int(valid.sum())
+    if n == 0:
+        return {"entropy_adv_shift": 0.0, "entropy_adv_capped_frac": 0.0}
+    adv = torch.where(valid, advantages.detach().float(), 0.0)
+    h = torch.where(valid, entropy.detach().float(), 0.0)
+    by_entropy, cap = alpha * h, adv.abs() / kappa
+    nonzero = valid & (adv != 0)
+    return {
+        "entropy_adv_shift": float(torch.minimum(by_entropy, cap)[valid].sum()) / n,
+        "entropy_adv_capped_frac": float((nonzero & (cap < by_entropy)).sum()) / max(int(nonzero.sum()), 1),
+    }

@@ -222,5 +222,5 @@ def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
                 f"--loss.entropy_coef {lc.entropy_coef:g} is above --entropy.max_bonus {cfg.entropy.max_bonus:g}: the "
                 "controller keeps the bonus at --loss.entropy_coef"
             )
-    if lc.dual_clip and lc.type != "ppo":
-        notes.append(f"--loss.dual_clip applies to ppo only; {lc.type} ignores it")
+    if lc.dual_clip and lc.type not in ("ppo", "ce_gppo"):
+        notes.append(f"--loss.dual_clip applies to ppo and ce_gppo only; {lc.type} ignores it")

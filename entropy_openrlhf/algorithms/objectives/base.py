@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from entropy_openrlhf.algorithms.advantages import entropy_advantage, entropy_advantage_metrics
 from entropy_openrlhf.algorithms.loss_terms import LossOutput
 from entropy_openrlhf.options import choice_errors
 
@@ -53,6 +54,9 @@ class LossContext:
     selected_total: float | None = None  # its size over the whole mini-batch on all ranks
     cov_means: tuple[float, float] | None = None  # (advantage mean, log-prob mean) of that wider scope
     generator: torch.Generator | None = None  # Clip-Cov's random draw, seeded by the trainer
+    # (alpha, kappa) of the entropy-based advantage (--algo.entropy_adv_alpha/kappa), applied to the advantages
+    # before the selection and the loss; None = off
+    entropy_adv: tuple[float, float] | None = None
 
     @property
     def normalizer(self) -> float | None:
@@ -247,13 +251,24 @@ def run_objective(
     OpenRLHF adapter both call this, so the two run an objective the same way.
 
     A selection already in `ctx.selected` (made over the whole mini-batch, `--loss.scope global`) is used as it is;
-    otherwise the objective's selector, if it has one, chooses over this micro-batch. Returns the loss output and
-    the selection's metrics (empty when nothing was selected here).
+    otherwise the objective's selector, if it has one, chooses over this micro-batch. With `ctx.entropy_adv` the
+    advantages are first shaped by `entropy_advantage` with this call's `entropy` (the current policy's), and the
+    selection and the loss both see the shaped ones; the shaping's metrics join the loss's. Returns the loss output
+    and the selection's metrics (empty when nothing was selected here).
     """
     objective = get_objective(name)
+    shaping: dict[str, float] = {}
+    if ctx.entropy_adv is not None:
+        if entropy is None:
+            raise ValueError("the entropy-based advantage (--algo.entropy_adv_alpha) needs the token entropy")
+        alpha, kappa = ctx.entropy_adv
+        shaping = entropy_advantage_metrics(advantages, entropy, mask, alpha=alpha, kappa=kappa)
+        advantages = entropy_advantage(advantages, entropy, mask, alpha=alpha, kappa=kappa)
     batch = TokenBatch(log_probs, old_log_probs, advantages, mask, entropy=entropy, is_weights=is_weights)
     selection_metrics: dict[str, float] = {}
     if ctx.selected is None and objective.select is not None:
         selected, selection_metrics = select_tokens(name, params, loss_cfg, batch, ctx)
         ctx = dataclasses.replace(ctx, selected=selected)
-    return objective.loss(batch, params, ctx), selection_metrics
+    out = objective.loss(batch, params, ctx)
+    out.metrics.update(shaping)
+    return out, selection_metrics

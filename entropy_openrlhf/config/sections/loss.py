@@ -23,10 +23,10 @@ class LossOptions(Section):
 
     type: str = _f("kl_cov", "the policy objective: {choices} (docs/algorithms/losses.md)", choices=tuple(OBJECTIVES))
     clip_low: float = _f(
-        0.2, "PPO clip epsilon below 1 for the objectives with PPO's clip: ppo, clip_cov, high_entropy"
+        0.2, "PPO clip epsilon below 1 for the objectives with PPO's clip: ppo, clip_cov, high_entropy, ce_gppo"
     )
     clip_high: float = _f(0.2, "PPO clip epsilon above 1 (clip-higher: 0.28)")
-    dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo (0 = off)")
+    dual_clip: float = _f(0.0, "dual-clip constant c > 1 for ppo and ce_gppo (0 = off)")
     agg: str = _f(
         "token_mean",
         "{choices}, normalised over the whole optimizer step (docs/algorithms/losses.md: verl's loss_agg_mode, TRL's "
@@ -98,9 +98,32 @@ class AlgoConfig(Section):
     kl_estimator: str = _f("k3", "estimator of the reference KL: {choices}", choices=("k1", "k2", "k3"))
     dynamic_sampling: bool = _f(False, "DAPO filter: drop prompt groups whose rewards are all equal and refill")
     max_gen_batches: int = _f(3, "dynamic sampling: generation rounds per step before training on what was kept")
+    entropy_adv_alpha: float = _f(
+        0.0,
+        "entropy-based advantage (Cheng et al.), any objective: A + min(alpha * H, |A| / kappa) per token, H the "
+        "current policy's token entropy, in every loss call; 0 = off (their GRPO runs: 0.4, PPO runs: 0.1)",
+    )
+    entropy_adv_kappa: float = _f(
+        2.0, "the entropy-based advantage's cap: the bonus is at most |A| / kappa, so no advantage changes sign (>= 1)"
+    )
 
     def checks(self) -> list[str]:
         return _failed(
             (self.kl_coef >= 0, "algo.kl_coef", "must be >= 0"),
             (self.max_gen_batches >= 1, "algo.max_gen_batches", f"{self.max_gen_batches} must be >= 1"),
+            (
+                0 <= self.entropy_adv_alpha < float("inf"),  # NaN fails the comparison too
+                "algo.entropy_adv_alpha",
+                f"{self.entropy_adv_alpha} must be a finite number >= 0 (0 = off)",
+            ),
+            (
+                1 <= self.entropy_adv_kappa < float("inf"),
+                "algo.entropy_adv_kappa",
+                f"{self.entropy_adv_kappa} must be a finite number >= 1: below 1 the bonus could turn a negative "
+                "advantage positive",
+            ),
         )
+
+    def entropy_adv(self) -> tuple[float, float] | None:
+        """The loss calls' `LossContext.entropy_adv`: (alpha, kappa), or None when the shaping is off."""
+        return (self.entropy_adv_alpha, self.entropy_adv_kappa) if self.entropy_adv_alpha > 0 else None
