@@ -35,13 +35,17 @@ class PromptStream:
         return [self.next_prompt() for _ in range(self.batch_size)]
 
     def next_prompt(self) -> PromptItem:
-        """The next prompt (a streaming producer draws them one group at a time)."""
+        return self.items[self.draw()[1]]
+
+    def draw(self) -> tuple[int, int]:
+        """The next prompt as (epoch, its position in `items`): what a streaming checkpoint records of a prompt
+        drawn but not yet trained, to roll it out again after a resume (the epoch gives its seed)."""
         if self.offset >= len(self._order):
             self.epoch, self.offset = self.epoch + 1, 0
             self._order = self._make_order()
-        item = self.items[self._order[self.offset]]
+        position = self._order[self.offset]
         self.offset += 1
-        return item
+        return self.epoch, position
 
 
 def group_rewards(groups: list[list[Sample]]) -> tuple[list[float], list[int]]:

@@ -1,10 +1,11 @@
 """Checkpoints: writing one atomically, finding the newest complete one, resuming from it, and rotating old ones.
 
 A checkpoint is checkpoints/step<N>: the DeepSpeed state of every policy rank (weights, optimizer, RNG), an HF export
-of the weights, trainer_state.json (step, prompt-stream position, the entropy controller) and, in an asynchronous
-run (`--rollout.mode batch`), pending.pkl: the batches for steps N .. N + max_staleness - 1, which the save takes from
-the producer (waiting for those it still generates), and the evaluations not yet logged. Folders are renamed into
-place only when complete, so whatever stops a run mid-save, resume sees complete checkpoints only.
+of the weights, trainer_state.json (step, prompt-stream position, the entropy controller; in a streaming run the
+prompts drawn but not yet trained, `open_prompts`) and, in an asynchronous run (`--rollout.mode batch`),
+pending.pkl: the batches for steps N .. N + max_staleness - 1, which the save takes from the producer (waiting for
+those it still generates), and the evaluations not yet logged. Folders are renamed into place only when complete, so
+whatever stops a run mid-save, resume sees complete checkpoints only.
 
 Why the pending batches are saved: one version behind, the run trains step N on a batch that version N - 1's
 weights generated while step N - 1 trained, and the checkpoint holds version N. Generated again after a resume,
@@ -42,6 +43,8 @@ class Checkpointing:
     train_items: list
     entropy_ctl: Any
     carried: deque  # batches taken from the producer ahead of their step: the step loop trains them first
+    streamer: Any  # the streaming producer (`--rollout.mode stream|partial`), None in batch mode
+    reopen: list  # the open prompts of the checkpoint resumed from, for the streaming producer to roll out first
     eval_results: list
     _eval_lock: Any
 
@@ -60,6 +63,9 @@ class Checkpointing:
         self.policy.call_all("save_hf", str(tmp / "hf"), **deadline)  # a complete HF folder: weights, config, tokenizer
         # after the policy's files: meanwhile the producer finishes the batch it generates
         pending, evaluations = self.take_pending(producer, version) if producer is not None else ([], [])
+        open_prompts = None
+        if getattr(self, "streamer", None) is not None:  # its position has drawn past the open prompts
+            stream_after, open_prompts = self.streamer.open_prompts(version)
         if pending or evaluations:
             with open(tmp / PENDING_FILE, "wb") as f:
                 pickle.dump({"batches": pending, "evaluations": evaluations}, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -75,6 +81,8 @@ class Checkpointing:
             "entropy_ctl": self.entropy_ctl.state_dict(),
             "pending_batches": len(pending),  # in pending.pkl; the stream position above is the one before them
         }
+        if open_prompts is not None:  # streaming: drawn, not trained; [epoch, position in the training prompts]
+            state["open_prompts"] = [list(p) for p in open_prompts]
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():  # the same step saved again (a resumed run): move the complete copy aside, then replace
             shutil.rmtree(old, ignore_errors=True)
@@ -153,6 +161,15 @@ class Checkpointing:
                 print(f"[entropy-openrlhf] {len(pending['batches']) - len(kept)} of the checkpoint's "
                       f"{len(pending['batches'])} pending batches are generated again from its weights (this run's "
                       "--rollout.mode or --async.max_staleness does not take them)", flush=True)  # fmt: skip
+        open_prompts = [tuple(p) for p in state.get("open_prompts", [])]
+        if open_prompts and self.cfg.rollout.mode == "batch":
+            print(f"[entropy-openrlhf] the checkpoint's {len(open_prompts)} prompts in flight or buffered at the save "
+                  "(a streaming run's) are not rolled out again: --rollout.mode batch continues from the stream's "
+                  "position", flush=True)  # fmt: skip
+        elif open_prompts:
+            self.reopen = open_prompts
+            print(f"[entropy-openrlhf] {len(open_prompts)} prompts in flight or buffered at the save are rolled out "
+                  "again first, from the checkpoint's weights", flush=True)  # fmt: skip
         self.stream.epoch, self.stream.offset = position
         self.stream._order = self.stream._make_order()
         if "entropy_ctl" in state:  # absent in checkpoints written before the controller existed

@@ -13,7 +13,11 @@ The trainer's producer thread runs `StreamProducer.run`, one asyncio event loop 
   between two steps of their requests (engine_stream.py); in `stream` mode through the sync's gate, which lets no new
   group in while a sync waits, so the engines drain first;
 - an evaluation due (`--eval.every`) rolls the held-out prompts out through the same group coroutine and engines,
-  beside the training groups, holding a share of the gate so that no sync changes the weights it evaluates.
+  beside the training groups, holding a share of the gate so that no sync changes the weights it evaluates;
+- every prompt drawn is open until the step that trains its group (or until its group is dropped): a checkpoint
+  records the open ones (`open_prompts`), and the resumed run rolls them out again first, from the checkpoint's
+  weights and with their own seeds, so it neither skips nor repeats a prompt (docs/guides/streaming.md says what it
+  does not repeat).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 import time
 import traceback
 from typing import Any
@@ -64,8 +69,16 @@ class StreamProducer:
         self.group_fn = get_group_rollout(cfg.rollout.function)
         self.tokenizer = AutoTokenizer.from_pretrained(trainer.model_path)
         self.token_ids: dict[int, list[int]] = {}  # by prompt index: each prompt is tokenised once
-        # scored groups, in the order they finished, each with its reward metrics
-        self.buffer: list[tuple[list[Sample], dict[str, float]]] = []
+        # scored groups, in the order they finished, each with its key and reward metrics
+        self.buffer: list[tuple[int, list[Sample], dict[str, float]]] = []
+        # the prompts drawn and not yet trained (key: the order they were drawn in), as (epoch, position in the
+        # training prompts); the keys of each handed-over batch until its step is trained. The lock: a save on the
+        # trainer thread reads them with the stream position while this thread draws.
+        self.lock = threading.Lock()
+        self.open: dict[int, tuple[int, int]] = {}
+        self.batch_keys: dict[int, list[int]] = {}
+        self.reopen = list(trainer.reopen)  # from a checkpoint: rolled out before any new prompt
+        self.keys = itertools.count()
         self.started = 0  # groups started, not counting those dropped (stale, or all-equal rewards)
         self.dropped_stale = self.dropped_equal = 0
         self.tags = itertools.count()
@@ -107,7 +120,7 @@ class StreamProducer:
                     if self.mode == "stream" and not t.sync.engine_lock.try_share():
                         break  # a sync waits for the engines to drain
                     self.started += 1  # now, not when the task first runs: _room counts it at once
-                    running.add(asyncio.create_task(self._group(t.stream.next_prompt())))
+                    running.add(asyncio.create_task(self._group(*self._draw())))
                 batch = self._take_batch(step)
                 if batch is not None:
                     after = await loop.run_in_executor(None, read_stream_stats, t.rollout)
@@ -164,11 +177,39 @@ class StreamProducer:
         )
         return samples
 
-    async def _group(self, prompt: PromptItem) -> None:
-        """One prompt's group: rolled out, scored, filtered, buffered."""
+    def _draw(self) -> tuple[int, int, PromptItem]:
+        """The next prompt to roll out, one a checkpoint left open first: (its key, its epoch, the prompt)."""
+        with self.lock:
+            epoch, position = self.reopen.pop(0) if self.reopen else self.t.stream.draw()
+            key = next(self.keys)
+            self.open[key] = epoch, position
+        return key, epoch, self.t.stream.items[position]
+
+    def open_prompts(self, version: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+        """For a checkpoint after `version` steps, on the trainer thread: the prompt stream's position and the
+        prompts drawn but not trained by then (in flight, buffered, or in a batch for a later step), in the order
+        they were drawn."""
+        with self.lock:
+            self._forget_trained(version)
+            position = self.t.stream.epoch, self.t.stream.offset
+            return position, [*self.open.values(), *self.reopen]
+
+    def _forget_trained(self, version: int) -> None:
+        """Close the prompts of the batches for steps before `version` (trained by now). Under the lock."""
+        for step in [s for s in self.batch_keys if s < version]:
+            for key in self.batch_keys.pop(step):
+                self.open.pop(key, None)
+
+    def _close(self, key: int) -> None:
+        """A dropped group's prompt: done with, as in an unbroken run (it is not rolled out again)."""
+        with self.lock:
+            self.open.pop(key, None)
+
+    async def _group(self, key: int, epoch: int, prompt: PromptItem) -> None:
+        """One prompt's group: rolled out, scored, filtered, buffered. `epoch`: the stream's when it was drawn."""
         t, cfg = self.t, self.cfg
         r = cfg.rollout
-        base = cfg.train.seed * 7919 + t.stream.epoch * 104_729  # as the batch producer's, per prompt
+        base = cfg.train.seed * 7919 + epoch * 104_729  # as the batch producer's, per prompt
         try:
             samples = await self._roll(
                 prompt,
@@ -185,27 +226,32 @@ class StreamProducer:
         if cfg.algo.dynamic_sampling and len({s.reward for s in samples}) <= 1:
             self.dropped_equal += 1  # zero advantage: teaches nothing; another prompt takes its place
             self.started -= 1
+            self._close(key)
             return
-        self.buffer.append((samples, reward_metrics))
+        self.buffer.append((key, samples, reward_metrics))
 
     def _take_batch(self, step: int) -> Batch | None:
         """The batch for `step` from the buffer, once it holds enough groups recent enough for it (older ones are
         dropped and counted)."""
         lag = self.cfg.async_.max_staleness
         fresh = []
-        for group, reward_metrics in self.buffer:
+        for key, group, reward_metrics in self.buffer:
             if min(s.policy_version for s in group) < step - lag:
                 self.dropped_stale += 1
                 self.started -= 1  # its place in the batch goes to another group
+                self._close(key)
             else:
-                fresh.append((group, reward_metrics))
+                fresh.append((key, group, reward_metrics))
         self.buffer = fresh
         size = self.cfg.rollout.batch_size
         if len(self.buffer) < size:
             return None
         taken, self.buffer = self.buffer[:size], self.buffer[size:]
-        groups = [g for g, _ in taken]
-        metrics = merge_reward_metrics([(len(g), m) for g, m in taken])  # over the batch's responses
+        with self.lock:
+            self._forget_trained(self.t.latest_version)
+            self.batch_keys[step] = [key for key, _, _ in taken]
+        groups = [g for _, g, _ in taken]
+        metrics = merge_reward_metrics([(len(g), m) for _, g, m in taken])  # over the batch's responses
         metrics.update(stream_metrics(groups, step))
         metrics.update({
             "rollout/dropped_stale_groups": float(self.dropped_stale),

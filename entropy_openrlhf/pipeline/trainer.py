@@ -63,6 +63,8 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.stream = PromptStream(train_items, cfg.rollout.batch_size, cfg.train.seed, cfg.data.shuffle)
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, cfg.async_.max_staleness))
         self.carried: deque = deque()  # batches for the next steps taken before them: at a save, or from a checkpoint
+        self.reopen: list[tuple[int, int]] = []  # a streaming checkpoint's open prompts (checkpoints.py)
+        self.streamer: StreamProducer | None = None
         self.cond = threading.Condition()
         self.latest_version = 0  # newest weights the trainer has published
         self.starvation_said = False  # the note that the objective's selection barely acts (starvation_note)
@@ -359,7 +361,8 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.start_step = self.latest_version = start_step
         self.produce_from = start_step + len(self.carried)  # after the pending batches a resume restored
         # --rollout.mode batch: a batch per generate call (_produce); stream | partial: groups streamed (streaming.py)
-        produce = self._produce if cfg.rollout.mode == "batch" else StreamProducer(self).run
+        self.streamer = None if cfg.rollout.mode == "batch" else StreamProducer(self)
+        produce = self._produce if self.streamer is None else self.streamer.run
         producer = threading.Thread(target=produce, name="rollout-producer", daemon=True)
         producer.start()
         # A lost node fails the calls to its actors at once, but which node it was only Ray's verdict tells. Watched

@@ -5,8 +5,14 @@ The smoke run is stopped while it saves its step-2 checkpoint (the moment `.tmp-
 for its checkpoints. The driver must end within STOP_BOUND_S with exit code 143, shut every actor and Ray process it
 started down, leave no `.tmp-step<N>` folder and only complete checkpoints, and print the command that resumes;
 that command, run as printed, continues from the newest checkpoint to the end.
+
+The run streams partial rollouts one version ahead (`--rollout.mode partial --async.max_staleness 1`), so the
+checkpoint holds prompts drawn and not yet trained (`open_prompts`), which the resumed run rolls out again first
+(the bookkeeping, prompt by prompt: tests/unit/test_stream_resume.py). A batch-mode run's resume is
+tests/integration/test_resume.py's.
 """
 
+import json
 import os
 import shlex
 import shutil
@@ -41,7 +47,8 @@ def ray_tmp():
 def test_sigterm_mid_save_stops_cleanly_and_prints_the_command_that_resumes(tmp_path, ray_tmp):
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
-    proc = start_job(out, ray_tmp, "--train.num_steps", "3", "--train.save_every", "1")
+    streaming = ("--rollout.mode", "partial", "--async.max_staleness", "1")
+    proc = start_job(out, ray_tmp, "--train.num_steps", "3", "--train.save_every", "1", *streaming)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         # polled often: the tiny model's save lasts a second or two, and the signal should land inside it
@@ -69,6 +76,9 @@ def test_sigterm_mid_save_stops_cleanly_and_prints_the_command_that_resumes(tmp_
     assert newest is not None and newest.name in ("step1", "step2"), sorted(p.name for p in checkpoints.iterdir())
     for part in ("trainer_state.json", "deepspeed/state", "hf/config.json"):
         assert (newest / part).exists(), part
+    # one version ahead, the next step's groups were drawn while the saved step trained
+    open_prompts = json.loads((newest / "trainer_state.json").read_text())["open_prompts"]
+    assert open_prompts and len({tuple(p) for p in open_prompts}) == len(open_prompts), open_prompts
     lines = log.splitlines()
     stop_line = next((line for line in lines if "stopped by SIGTERM during step" in line), None)
     assert stop_line is not None, log[-4000:]
@@ -85,5 +95,6 @@ def test_sigterm_mid_save_stops_cleanly_and_prints_the_command_that_resumes(tmp_
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     steps_done = int(newest.name.removeprefix("step"))
     assert f"resumed from {newest} at step {steps_done}" in resumed.stdout
+    assert f"{len(open_prompts)} prompts in flight or buffered at the save are rolled out again" in resumed.stdout
     assert set(logged(out)) == {0, 1, 2}  # steps 0-1 logged before the stop, the rest by the resumed run
     assert latest_checkpoint(checkpoints) == checkpoints / "step3"
