@@ -132,9 +132,12 @@ def paired_t_power(mean_diff: float, sd_diff: float, n: int, alpha: float = 0.05
     freedom and noncentrality mean / sd * sqrt(n). None with fewer than two pairs or no spread."""
     if n < 2 or not sd_diff > 0:
         return None
-    df, nc = n - 1, mean_diff / sd_diff * math.sqrt(n)
+    # the power is the same for -nc; with nc >= 0 the far tail's scipy value can come back NaN where it underflows
+    # (nct.cdf(-2.09, 19, 9.46)), and then it is 0 to double precision
+    df, nc = n - 1, abs(mean_diff) / sd_diff * math.sqrt(n)
     crit = float(sps.t.ppf(1 - alpha / 2, df))
-    return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc))
+    far = float(sps.nct.cdf(-crit, df, nc))
+    return float(sps.nct.sf(crit, df, nc)) + (0.0 if math.isnan(far) else far)
 
 
 def pairs_for_power(

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats
 from scipy.stats import binomtest, ttest_1samp, wilcoxon
 
 from study.stats import (
@@ -176,6 +177,17 @@ def test_power_matches_the_textbook_and_a_simulation():
     simulated = float(np.mean(np.abs(t) > 2.200985))  # t(0.975, 11)
     assert paired_t_power(0.6, 1.5, 12) == pytest.approx(simulated, abs=0.01)
     assert paired_t_power(0.6, 1.5, 1) is None and paired_t_power(0.6, 0.0, 5) is None
+
+
+def test_power_far_from_the_null_is_a_number_not_nan():
+    # scipy's noncentral t gives NaN for the far tail here (nct.cdf(-2.09, 19, 9.46)); that tail is 0, the power
+    # the near tail's, a hair below 1, for either sign of the effect
+    for mean in (0.44, -0.44):
+        power = paired_t_power(mean, 0.208, 20)
+        assert not math.isnan(power) and power == pytest.approx(
+            float(stats.nct.sf(stats.t.ppf(0.975, 19), 19, 0.44 / 0.208 * math.sqrt(20)))
+        )
+        assert 0.999 < power <= 1.0
 
 
 def test_pairs_for_80_percent_power():
