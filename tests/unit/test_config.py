@@ -141,7 +141,7 @@ def help_of(argv: list[str], pipeline: str) -> str:
 def test_help_shows_the_pipelines_and_the_presets_values_in_sections():
     clip_cov = help_of([], "clip_cov")
     assert "--loss.type STR the policy objective" in clip_cov and "(docs/algorithms/losses.md) [clip_cov]" in clip_cov
-    assert "clip: ppo, clip_cov, high_entropy [1.0]" in clip_cov  # the pipeline's clip, not the dataclass's 0.2
+    assert "clip: ppo, clip_cov, high_entropy, ce_gppo [1.0]" in clip_cov  # the pipeline's, not the default 0.2
     seven = help_of(["--preset", "qwen2.5-7b-dapo"], "kl_cov")
     assert "--rollout.batch_size INT prompts per RL step [256]" in seven
     assert "qwen2.5-32b-dapo [qwen2.5-7b-dapo]" in seven and "(docs/algorithms/losses.md) [kl_cov]" in seven

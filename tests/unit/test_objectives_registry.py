@@ -28,7 +28,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def test_the_registry_holds_every_objective_with_its_flags():
-    assert set(OBJECTIVES) == {"ppo", "clip_cov", "kl_cov", "high_entropy", "cispo", "gspo"}
+    assert set(OBJECTIVES) == {"ppo", "clip_cov", "kl_cov", "high_entropy", "cispo", "gspo", "sapo", "dppo", "ce_gppo"}
     flags = set(build_parser()._option_string_actions)
     for name, obj in OBJECTIVES.items():
         for field in obj.config.__dataclass_fields__.values():

@@ -34,11 +34,16 @@ PARAMS: dict[str, dict[str, Any]] = {
     "high_entropy": {"top_frac": 0.3},
     "cispo": {"clip_low": 0.3, "clip_high": 0.1},
     "gspo": {"clip_low": 0.02, "clip_high": 0.08},
+    "sapo": {"tau_pos": 0.8, "tau_neg": 1.6},
+    "dppo": {"delta_low": 0.05, "delta_high": 0.1, "tis_cap": 1.5},
+    "ce_gppo": {"beta_low": 0.3, "beta_high": 0.8},
     # the non-default forms of an objective, each its own case: Clip-Cov's bounds in standard deviations (the
     # clip-cov-small preset) and KL-Cov's penalty on PPO's clipped loss (the kl_cov_clip ablation)
     # (bounds under which this batch's two units select different tokens, which the test checks)
     "clip_cov/std": {"ratio": 0.2, "lb": 0.5, "ub": 2.0, "bounds_unit": "std"},
     "kl_cov/ppo_clip": {"ratio": 0.15, "coef": 0.7, "ppo_clip": True},
+    # DPPO's binary-KL region, with its default thresholds (0 on the flag: the divergence's own)
+    "dppo/kl": {"divergence": "kl", "tis_cap": 1.5},
 }
 
 
@@ -117,6 +122,21 @@ def plain_call(case: str, batch: TokenBatch, ctx: LossContext, wider: bool) -> C
             "clip_low": p["clip_low"], "clip_high": p["clip_high"], "normalizer": SEQUENCES, "dp_size": 2,
             "is_weights": batch.is_weights,
         }  # fmt: skip
+    if name == "sapo":  # always a mean over sequences, whatever --loss.agg says, as GSPO
+        return losses.sapo_loss, {
+            "tau_pos": p["tau_pos"], "tau_neg": p["tau_neg"], "agg": "seq_mean_token_mean", "normalizer": SEQUENCES,
+            "dp_size": 2, "is_weights": batch.is_weights,
+        }  # fmt: skip
+    if name == "dppo":  # its own thresholds (None where the flag is 0) and cap, the shared aggregation
+        return losses.dppo_loss, {
+            "divergence": p.get("divergence", "tv"), "delta_low": p.get("delta_low"),
+            "delta_high": p.get("delta_high"), "tis_cap": p["tis_cap"], **shared,
+        }  # fmt: skip
+    if name == "ce_gppo":  # the shared PPO clip and dual clip, its own betas
+        return losses.ce_gppo_loss, {
+            "clip_low": 0.25, "clip_high": 0.1, "beta_low": p["beta_low"], "beta_high": p["beta_high"],
+            "dual_clip": 1.5, **shared,
+        }  # fmt: skip
     raise AssertionError(f"objective {name!r} is registered but has no plain-function case here: add one")
 
 
@@ -126,6 +146,11 @@ def miswirings(kwargs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     if "clip_low" in kwargs:
         out.append(("swapped clip widths", {"clip_low": kwargs["clip_high"], "clip_high": kwargs["clip_low"]}))
+    for low, high in (("tau_pos", "tau_neg"), ("beta_low", "beta_high"), ("delta_low", "delta_high")):
+        if kwargs.get(low) is not None and kwargs.get(high) is not None:
+            out.append((f"swapped {low}/{high}", {low: kwargs[high], high: kwargs[low]}))
+    if kwargs.get("divergence") is not None:
+        out.append(("other divergence", {"divergence": "tv" if kwargs["divergence"] == "kl" else "kl"}))
     if kwargs.get("ppo_clip") is not None:
         low, high = kwargs["ppo_clip"]
         out.append(("swapped PPO clip widths", {"ppo_clip": (high, low)}))
@@ -135,7 +160,7 @@ def miswirings(kwargs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
                 out.append((f"normalizer {other}", {"normalizer": other}))
     if "dp_size" in kwargs:
         out.append(("other dp_size", {"dp_size": 1 if kwargs["dp_size"] != 1 else 2}))
-    for key in ("is_weights", "dual_clip", "cov_means", "ppo_clip"):
+    for key in ("is_weights", "dual_clip", "cov_means", "ppo_clip", "tis_cap"):
         if kwargs.get(key) is not None:
             out.append((f"no {key}", {key: None}))
     # the selection's settings matter only where the call selects; a selection made over the mini-batch is given

@@ -109,10 +109,9 @@ class CEGPPOConfig:
 
 def validate(params: CEGPPOConfig, cfg) -> list[str]:
     errors = []
-    for name in ("beta_low", "beta_high"):
-        beta = getattr(params, name)
+    for flag, beta in (("--loss.ce_gppo.beta_low", params.beta_low), ("--loss.ce_gppo.beta_high", params.beta_high)):
         if not (math.isfinite(beta) and beta >= 0):
-            errors.append(f"--loss.ce_gppo.{name}: {beta} must be a finite number >= 0")
+            errors.append(f"{flag}: {beta} must be a finite number >= 0")
     return errors
 
 

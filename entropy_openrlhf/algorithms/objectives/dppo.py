@@ -146,10 +146,9 @@ class DPPOConfig:
 
 def validate(params: DPPOConfig, cfg) -> list[str]:
     errors = []
-    for name in ("delta_low", "delta_high"):
-        delta = getattr(params, name)
+    for flag, delta in (("--loss.dppo.delta_low", params.delta_low), ("--loss.dppo.delta_high", params.delta_high)):
         if not (math.isfinite(delta) and delta >= 0):
-            errors.append(f"--loss.dppo.{name}: {delta} must be a finite number >= 0 (0 = the divergence's default)")
+            errors.append(f"{flag}: {delta} must be a finite number >= 0 (0 = the divergence's default)")
     if not params.tis_cap >= 0:  # NaN fails the comparison too
         errors.append(f"--loss.dppo.tis_cap: {params.tis_cap} must be > 0, or 0 for no truncation")
     return errors

@@ -79,10 +79,9 @@ class SAPOConfig:
 
 def validate(params: SAPOConfig, cfg) -> list[str]:
     errors = []
-    for name in ("tau_pos", "tau_neg"):
-        tau = getattr(params, name)
+    for flag, tau in (("--loss.sapo.tau_pos", params.tau_pos), ("--loss.sapo.tau_neg", params.tau_neg)):
         if not (math.isfinite(tau) and tau > 0):
-            errors.append(f"--loss.sapo.{name}: {tau} must be a finite number > 0")
+            errors.append(f"{flag}: {tau} must be a finite number > 0")
     return errors
 
 
