@@ -2,7 +2,9 @@
 alone.
 
 The variants come from the objectives registry (`algorithms/objectives/`): every objective with `--loss.scope
-micro_batch`, and every objective that selects tokens (it has a selector) with `--loss.scope global` too. Each
+micro_batch`, and every objective that selects tokens (it has a selector) with `--loss.scope global` too; then PPO
+with the entropy-based advantage (`--algo.entropy_adv_alpha 0.4`, which any objective can take: it adds the token
+entropy to the training forward and the shaping to each loss call, the same for every objective). Each
 variant's loss settings are those of the pipeline of the same name (`presets.PIPELINES`, e.g. clip_cov's PPO clip of
 1) over the defaults, as `python pipelines/<name>.py` would have them; an objective with no pipeline of its name
 runs on the defaults.
@@ -51,25 +53,29 @@ SELECTED_FRACS = ("clip_cov_frac", "kl_cov_frac", "entropy_selected_frac")
 SHAPES = [(4, 128, 4), (4, 1024, 4), (2, 8192, 8)]
 
 
+ENTROPY_ADV = ("--algo.entropy_adv_alpha", "0.4")  # the option's variant: its GRPO setting
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     objective: str  # a name in the objectives registry (--loss.type)
     scope: str  # --loss.scope
+    flags: tuple[str, ...] = ()  # an option on top (the entropy-based advantage)
 
     @property
     def label(self) -> str:
-        return f"{self.objective} {self.scope}"
+        return f"{self.objective} {self.scope}" + (" +entropy_adv" if self.flags else "")
 
 
 def variants() -> list[Variant]:
     """Every objective in the registry's order, micro_batch scope; then the global scope of those with a selector
-    (the scope means nothing to the others)."""
+    (the scope means nothing to the others); then the baseline with the entropy-based advantage."""
     from entropy_openrlhf.algorithms.objectives import OBJECTIVES
 
     names = sorted(OBJECTIVES, key=lambda name: name != BASELINE)  # the baseline first, then the registry's order
     micro = [Variant(name, "micro_batch") for name in names]
     pooled = [Variant(name, "global") for name in names if OBJECTIVES[name].select is not None]
-    return micro + pooled
+    return micro + pooled + [Variant(BASELINE, "micro_batch", ENTROPY_ADV)]
 
 
 def variant_config(variant: Variant, flags: Sequence[str] = ()):
@@ -79,7 +85,7 @@ def variant_config(variant: Variant, flags: Sequence[str] = ()):
     from entropy_openrlhf.presets import PIPELINES
 
     pipeline = {k: v for k, v in PIPELINES.get(variant.objective, {}).items() if k.startswith("loss.")}
-    cfg = from_args([*flags, "--loss.type", variant.objective, "--loss.scope", variant.scope], pipeline)
+    cfg = from_args([*flags, *variant.flags, "--loss.type", variant.objective, "--loss.scope", variant.scope], pipeline)
     validate(cfg)  # raises on settings that cannot work; its notes are warnings, not for a benchmark
     return cfg
 
@@ -126,10 +132,12 @@ def fixed_batch(args, vocab: int, seed: int = 0):
     return out
 
 
-def set_loss(actor_self, loss_cfg) -> None:
-    """Runs inside the policy actor (`__ray_call__`): the loss settings of its next train_step. The whole `loss`
-    section is replaced, so nothing one variant sets (a pipeline's clip, say) leaks into the next."""
+def set_loss(actor_self, loss_cfg, algo_cfg) -> None:
+    """Runs inside the policy actor (`__ray_call__`): the loss settings of its next train_step. The whole `loss` and
+    `algo` sections are replaced (the entropy-based advantage is an `algo` flag), so nothing one variant sets (a
+    pipeline's clip, say) leaks into the next."""
     actor_self.cfg.loss = loss_cfg
+    actor_self.cfg.algo = algo_cfg
 
 
 def time_steps(args, model_path: str, runs: list[Variant]) -> tuple[dict[str, list[float]], dict[str, dict]]:
@@ -147,7 +155,8 @@ def time_steps(args, model_path: str, runs: list[Variant]) -> tuple[dict[str, li
         "--train.mini_batches", str(args.mini_batches),
         "--actor.lr", "1e-7",  # the weights barely move: every step sees nearly the same model
     ]  # fmt: skip
-    losses = {v.label: variant_config(v, flags).loss for v in runs}
+    configs = {v.label: variant_config(v, flags) for v in runs}
+    losses = {label: (cfg.loss, cfg.algo) for label, cfg in configs.items()}
     batch = fixed_batch(args, AutoConfig.from_pretrained(model_path).vocab_size)
     group = PolicyGroup(variant_config(runs[0], flags), model_path)
     times: dict[str, list[float]] = {v.label: [] for v in runs}
@@ -157,13 +166,13 @@ def time_steps(args, model_path: str, runs: list[Variant]) -> tuple[dict[str, li
         for r in range(args.repeats + 1):  # repeat 0 is the warm-up
             k = r % len(runs)
             for v in runs[k:] + runs[:k]:
-                ray.get([a.__ray_call__.remote(set_loss, losses[v.label]) for a in group.actors], timeout=120)
+                ray.get([a.__ray_call__.remote(set_loss, *losses[v.label]) for a in group.actors], timeout=120)
                 metrics = group.train_step(batch, step)
                 step += 1
                 if r > 0:
                     times[v.label].append(metrics["time/train_actor"])
                     last[v.label] = metrics
-                print(f"  repeat {r} {v.label:<26} {metrics['time/train_actor']:7.2f} s", file=sys.stderr, flush=True)
+                print(f"  repeat {r} {v.label:<30} {metrics['time/train_actor']:7.2f} s", file=sys.stderr, flush=True)
     finally:
         group.shutdown()
     return times, last
@@ -198,15 +207,18 @@ def make_mini_batch(rows: int, length: int, micro_per_mini: int, seed: int = 0) 
 
 def run_mini_batch(micro: list, cfg) -> float:
     """What the actor's train_step does per mini-batch after its forwards: for the global scope one selection over
-    all micro-batches, then per micro-batch the selection (micro_batch scope) and the objective's loss forward and
-    backward, normalised over the whole mini-batch. Returns the selected fraction, averaged over the micro-batches
-    as the actor's metrics are."""
+    all micro-batches, then per micro-batch `run_objective` (the shaping of the advantages when the entropy-based
+    advantage is on, the selection in micro_batch scope, the objective's loss) and the loss's backward, normalised
+    over the whole mini-batch. Returns the selected fraction, averaged over the micro-batches as the actor's metrics
+    are."""
     import torch
 
+    from entropy_openrlhf.algorithms.advantages import entropy_advantage
     from entropy_openrlhf.algorithms.objectives import (
         LossContext,
         get_objective,
         objective_needs_entropy,
+        run_objective,
         select_tokens,
     )
     from entropy_openrlhf.algorithms.selection import pooled_selection
@@ -214,14 +226,15 @@ def run_mini_batch(micro: list, cfg) -> float:
     lc = cfg.loss
     objective = get_objective(lc.type)
     params = getattr(lc, lc.type)  # the objective's config: its dataclass defaults plus the pipeline's settings
-    needs_entropy = objective_needs_entropy(lc.type, lc)
-    # the actor's forward computes entropy only for the objectives that read it
+    shaping = cfg.algo.entropy_adv()
+    needs_entropy = objective_needs_entropy(lc.type, lc) or shaping is not None
+    # the actor's forward computes entropy only for the objectives (and the option) that read it
     micro = [dataclasses.replace(mb, entropy=mb.entropy if needs_entropy else None) for mb in micro]
     base = LossContext(
         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip or None, agg=lc.agg,
         tokens=sum(float(mb.mask.sum()) for mb in micro),
         sequences=sum(float((mb.mask.sum(-1) > 0).sum()) for mb in micro),
-        micro_batches=len(micro),
+        micro_batches=len(micro), entropy_adv=shaping,
     )  # fmt: skip
     selections = [None] * len(micro)
     if lc.scope == "global" and objective.select is not None:
@@ -231,15 +244,25 @@ def run_mini_batch(micro: list, cfg) -> float:
             ctx = dataclasses.replace(base, cov_means=means, generator=generator)
             return select_tokens(lc.type, params, lc, tokens, ctx)
 
-        selections, cov_means, total, _ = pooled_selection(micro, select, with_entropy=needs_entropy)
+        # the pooled advantages are the loss calls' own: shaped too when the option is on (train_phases does so)
+        pooled = micro
+        if shaping is not None:
+            alpha, kappa = shaping
+            pooled = [
+                dataclasses.replace(mb, advantages=entropy_advantage(mb.advantages, mb.entropy, mb.mask,
+                                                                     alpha=alpha, kappa=kappa))
+                for mb in micro
+            ]  # fmt: skip
+        selections, cov_means, total, _ = pooled_selection(pooled, select, with_entropy=needs_entropy)
         base = dataclasses.replace(base, cov_means=cov_means, selected_total=float(total))
     fracs = []
     for i, mb in enumerate(micro):
-        batch = dataclasses.replace(mb, log_probs=mb.log_probs.clone().requires_grad_(True))
+        lp = mb.log_probs.clone().requires_grad_(True)
         ctx = dataclasses.replace(base, generator=torch.Generator().manual_seed(i), selected=selections[i])
-        if ctx.selected is None and objective.select is not None:  # micro_batch scope: select here
-            ctx.selected, _ = select_tokens(lc.type, params, lc, batch, ctx)
-        out = objective.loss(batch, params, ctx)
+        out, _ = run_objective(
+            lc.type, params, lc, ctx, lp, mb.old_log_probs, mb.advantages, mb.mask, entropy=mb.entropy,
+            is_weights=mb.is_weights,
+        )  # fmt: skip
         out.loss.backward()
         fracs.append(selected_frac(out.metrics))
     return statistics.mean(fracs)
@@ -314,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.mini_batches} mini-batches, 1 DeepSpeed rank; median of {args.repeats} interleaved repeats"
         )
         ratios = paired_ratios(times, baseline)
-        print(f"{'variant':<26}{'median s':>10}{'min s':>8}{'max s':>8}{'ratio to ppo':>14}{'selected frac':>15}")
+        print(f"{'variant':<30}{'median s':>10}{'min s':>8}{'max s':>8}{'ratio to ppo':>14}{'selected frac':>15}")
         for label, ts in times.items():
             print(
-                f"{label:<26}{statistics.median(ts):>10.2f}{min(ts):>8.2f}{max(ts):>8.2f}{ratios[label]:>14.3f}"
+                f"{label:<30}{statistics.median(ts):>10.2f}{min(ts):>8.2f}{max(ts):>8.2f}{ratios[label]:>14.3f}"
                 f"{selected_frac(last[label], 'loss/'):>15.4f}"
             )
     print(
@@ -325,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         f"micro-batch's selection and loss forward + backward, for the global scope one selection over the "
         f"mini-batch instead; median of {args.loss_repeats}, {args.loss_threads} torch thread(s)"
     )
-    print(f"{'shape':<14}{'variant':<26}{'median ms':>10}{'ratio to ppo':>14}{'selected frac':>15}")
+    print(f"{'shape':<14}{'variant':<30}{'median ms':>10}{'ratio to ppo':>14}{'selected frac':>15}")
     for shape, label, ms, ratio, frac in loss_rows:
-        print(f"{shape:<14}{label:<26}{ms:>10.2f}{ratio:>14.2f}{frac:>15.4f}")
+        print(f"{shape:<14}{label:<30}{ms:>10.2f}{ratio:>14.2f}{frac:>15.4f}")
     if not times:
         print(f"{HEADLINE}: not measured (--skip-step)")
         return 1

@@ -150,7 +150,10 @@ def _clip_fraction(metrics: dict[str, float]) -> float:
     the fraction their own clip holds (0 for KL-Cov, which does not clip)."""
     if "ppo_clip_frac_low" in metrics or "ppo_clip_frac_high" in metrics:
         return metrics.get("ppo_clip_frac_low", 0.0) + metrics.get("ppo_clip_frac_high", 0.0)
-    for key in ("cispo_clip_frac", "gspo_clip_frac"):
+    if "ce_gppo_clip_frac_low" in metrics:  # the tokens PPO's clip would hold: the authors' pg_clipfrac
+        return metrics["ce_gppo_clip_frac_low"] + metrics["ce_gppo_clip_frac_high"]
+    # DPPO's masked tokens are the ones its trust region stops; SAPO clips nothing (0, as verl reports it)
+    for key in ("cispo_clip_frac", "gspo_clip_frac", "dppo_masked_frac"):
         if key in metrics:
             return metrics[key]
     return 0.0
