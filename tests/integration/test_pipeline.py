@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from entropy_openrlhf.config import from_args
+from entropy_openrlhf.config import from_args, validate
 from entropy_openrlhf.pipeline.main import prepare
 from entropy_openrlhf.pipeline.tracking import Tracker
 from entropy_openrlhf.pipeline.trainer import Trainer
+from entropy_openrlhf.presets import PIPELINES
 from tests.unit.test_tracking import assert_loggers_agree
 
 pytestmark = pytest.mark.integration
@@ -141,6 +142,52 @@ def test_three_steps_train_sync_and_log(ray_cluster, tmp_path, staleness, capsys
         assert key in lines[-1]
     assert lines[0]["eval/policy_version"] == 0 and "eval/acc" in lines[0]
     assert_documented({k for line in lines for k in line if k != "step"})
+
+
+# one step each in one run, with the entropy-based advantage on (docs/algorithms/losses.md)
+ENTROPY_OBJECTIVES = ("sapo", "dppo", "ce_gppo")
+OWN_METRIC = {"sapo": "loss/sapo_gate_mean", "dppo": "loss/dppo_masked_frac", "ce_gppo": "loss/ce_gppo_clip_frac_low"}
+
+
+def _set_loss(actor_self, loss_cfg) -> None:
+    """Runs inside a PolicyActor (Ray's __ray_call__): the loss section its next train_step reads."""
+    actor_self.cfg.loss = loss_cfg
+
+
+def test_sapo_dppo_and_ce_gppo_train_a_step_each_with_the_entropy_advantage(ray_cluster, tmp_path):
+    """The smoke pipeline, synchronous, three steps: step k trains with the k-th objective at its pipeline's settings
+    (the actors' loss section is swapped between steps, as benchmarks/loss_overhead.py does, so one set of actor
+    groups serves all three), every loss call's advantages shaped by the current policy's entropy. No evaluation:
+    what is checked is that each objective trains end to end and logs its metrics."""
+    flags = [
+        "--preset", "smoke", "--train.num_steps", "3", "--async.max_staleness", "0",
+        "--train.output_dir", str(tmp_path / "run"), "--reward.verifier", VERIFIER, "--rollout.max_new_tokens", "16",
+        "--algo.entropy_adv_alpha", "0.4",
+    ]  # fmt: skip
+    configs = [from_args(flags, PIPELINES[name]) for name in ENTROPY_OBJECTIVES]
+    for c in configs:
+        validate(c)
+    cfg = configs[0]
+    model_path, train_items, test_items = prepare(cfg)
+    trainer = Trainer(cfg, model_path, train_items, test_items)
+    trainer.start_groups()
+    train_step = trainer.policy.train_step
+
+    def each_objective_in_turn(samples, step, **kwargs):
+        ray_cluster.get([a.__ray_call__.remote(_set_loss, configs[step].loss) for a in trainer.policy.actors])
+        return train_step(samples, step, **kwargs)
+
+    trainer.policy.train_step = each_objective_in_turn
+    try:
+        history = trainer.run()
+    finally:
+        trainer.shutdown_groups()
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for name, h in zip(ENTROPY_OBJECTIVES, history):
+        assert torch.isfinite(torch.tensor(h["loss/policy"])), name
+        assert OWN_METRIC[name] in h and all(OWN_METRIC[o] not in h for o in ENTROPY_OBJECTIVES if o != name)
+        assert h["loss/entropy_adv_shift"] >= 0 and 0 <= h["loss/entropy_adv_capped_frac"] <= 1
+    assert_documented({k for h in history for k in h if k != "step"})
 
 
 def check_saved_model_stands_alone(final: Path, model_path: str, weights: dict, tmp_path: Path) -> None:
