@@ -187,6 +187,7 @@ ACTOR_NOUNS = {
     "rollout": ("rollout engine", "rollout engines"),
     "policy": ("policy rank", "policy ranks"),
     "reward": ("reward worker", "reward workers"),
+    "tools": ("tool worker", "tool workers"),
     "reference": ("reference rank", "reference ranks"),
 }
 

@@ -71,6 +71,16 @@ def group_needs(cfg: Config) -> list[GroupNeed]:
             reads_model=False, writes_output=False,
         ),
     ]  # fmt: skip
+    if cfg.uses_tools:
+        t = cfg.tools
+        groups.append(
+            GroupNeed(
+                "tools", t.num_workers, {"CPU": t.num_cpus_per_worker, "GPU": 0.0, **t.custom_resources},
+                {"CPU": "--tools.num_workers x --tools.num_cpus_per_worker",
+                 "*": "--tools.num_workers x --tools.custom_resources"},
+                reads_model=False, writes_output=False,
+            )
+        )  # fmt: skip
     if cfg.starts_reference_group:
         groups.append(
             GroupNeed(
@@ -102,6 +112,8 @@ def _set_cpu(cfg: Config, group: str, value: float) -> None:
         cfg.actor.num_cpus_per_worker = value
     elif group == "reward":
         cfg.reward.num_cpus_per_worker = value
+    elif group == "tools":
+        cfg.tools.num_cpus_per_worker = value
     else:
         cfg.ref.num_cpus = value
 

@@ -22,6 +22,9 @@ def group_resources(cfg: Config) -> dict[str, dict[str, float]]:
                    "CPU": a.num_workers * a.num_cpus_per_worker},
         "reward": {"actors": w.num_workers, "GPU": 0.0, "CPU": w.num_workers * w.num_cpus_per_worker},
     }  # fmt: skip
+    if cfg.uses_tools:
+        t = cfg.tools
+        groups["tools"] = {"actors": t.num_workers, "GPU": 0.0, "CPU": t.num_workers * t.num_cpus_per_worker}
     if cfg.starts_reference_group:
         groups["reference"] = {"actors": ref.num_workers, "GPU": ref.num_workers * reference_gpus(cfg),
                                "CPU": ref.num_workers * ref.num_cpus}  # fmt: skip

@@ -21,6 +21,7 @@ from entropy_openrlhf.config.sections.offpolicy import OffPolicySection
 from entropy_openrlhf.config.sections.reference import REF_GPUS_AUTO, RefConfig, reference_uses_deepspeed
 from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfig
 from entropy_openrlhf.config.sections.rollout import RolloutConfig
+from entropy_openrlhf.config.sections.tools import ToolsConfig
 from entropy_openrlhf.config.sections.train import AsyncConfig, SyncConfig, TrainConfig
 from entropy_openrlhf.config.validation import ConfigError, validate
 
@@ -45,6 +46,7 @@ __all__ = [
     "RolloutConfig",
     "Section",
     "SyncConfig",
+    "ToolsConfig",
     "TrainConfig",
     "apply_preset",
     "build_parser",

@@ -17,6 +17,7 @@ from entropy_openrlhf.config.sections.offpolicy import OffPolicySection
 from entropy_openrlhf.config.sections.reference import REF_GPUS_AUTO, RefConfig
 from entropy_openrlhf.config.sections.reward_eval import EvalConfig, RewardConfig
 from entropy_openrlhf.config.sections.rollout import RolloutConfig
+from entropy_openrlhf.config.sections.tools import TOOL_ROLLOUTS, ToolsConfig
 from entropy_openrlhf.config.sections.train import AsyncConfig, SyncConfig, TrainConfig
 from entropy_openrlhf.options import option as _f
 from entropy_openrlhf.presets import PRESETS
@@ -28,6 +29,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
@@ -48,6 +50,12 @@ class Config:
     @property
     def is_async(self) -> bool:
         return self.async_.max_staleness > 0
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the run's rollout function runs tool calls in the sandbox pool (--tools.*): the run then checks
+        the sandbox before any actor starts and reserves the pool's workers."""
+        return self.rollout.function in TOOL_ROLLOUTS
 
     @property
     def uses_reference(self) -> bool:

@@ -8,6 +8,7 @@
 - offpolicy.py: `--offpolicy.*`
 - reference.py: `--ref.*`
 - reward_eval.py: `--reward.*`, `--eval.*`
+- tools.py: `--tools.*`
 - logger_ray.py: `--logger.*`, `--ray.*`
 
 `config/schema.py` assembles them into `Config`, in the order of `--help` and of `flatten()`.
