@@ -36,6 +36,7 @@ from entropy_openrlhf.pipeline.faults import NodeLostError
 from entropy_openrlhf.pipeline.tracking import Tracker, summarize
 from entropy_openrlhf.pipeline.trainer import Trainer
 from entropy_openrlhf.samples import PromptItem, Sample
+from entropy_openrlhf.tools.sandbox import SandboxUnavailableError, check_sandbox
 from rewards import Verifier, VerifierLoadError, load_verifier, probe
 
 T = TypeVar("T")
@@ -82,11 +83,26 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
     return str(train), tests
 
 
+def check_tools_sandbox(cfg: Config) -> str | None:
+    """A run whose rollout function runs tool calls fails closed: a ConfigError saying why when the sandbox cannot
+    start on this machine; with --tools.sandbox none, the loud warning it prints (and returns, for the run's log)."""
+    if not cfg.uses_tools:
+        return None
+    try:
+        warning = check_sandbox(cfg.tools.sandbox)
+    except SandboxUnavailableError as e:
+        raise ConfigError(str(e)) from None
+    if warning:
+        print(f"[entropy-openrlhf] WARNING: {warning}", file=sys.stderr, flush=True)
+    return warning
+
+
 def prepare(cfg: Config, need_train: bool = True, shared_model: bool = False):
     """All checks and input loading; no actor starts here. `eval.max_samples` applies to each test set. Without
     `need_train` (scripts/evaluate.py) no training prompts are loaded, and given test sets keep the user's keys.
     `shared_model`: write a built-in model where every node of a multi-node cluster can read it."""
     validate(cfg)
+    check_tools_sandbox(cfg)
     verifier = load_verifier(cfg.reward.verifier)  # a verifier that does not load fails now, not in a worker
     try:  # the built-in model and task, the W&B run and the checkpoints go there
         Path(cfg.train.output_dir).mkdir(parents=True, exist_ok=True)

@@ -292,3 +292,18 @@ def test_a_tool_run_reserves_its_workers(monkeypatch):
     monkeypatch.setattr("entropy_openrlhf.config.schema.TOOL_ROLLOUTS", (cfg.rollout.function,))
     assert group_resources(cfg)["tools"] == {"actors": 3, "GPU": 0.0, "CPU": 1.5}
     assert [g.bundle["CPU"] for g in group_needs(cfg) if g.name == "tools"] == [0.5]
+
+
+def test_a_tool_run_refuses_to_start_without_the_sandbox(monkeypatch, capsys):
+    from entropy_openrlhf.config import Config, ConfigError
+    from entropy_openrlhf.pipeline import run as run_module
+
+    cfg = Config()
+    assert run_module.check_tools_sandbox(cfg) is None  # no tools: nothing checked
+    monkeypatch.setattr("entropy_openrlhf.config.schema.TOOL_ROLLOUTS", (cfg.rollout.function,))
+    monkeypatch.setattr(sb, "sandbox_available", lambda: "bwrap: setting up uid map: Permission denied")
+    with pytest.raises(ConfigError, match="uid map: Permission denied.*--tools.sandbox none"):
+        run_module.check_tools_sandbox(cfg)
+    cfg.tools.sandbox = "none"
+    assert "NO isolation" in run_module.check_tools_sandbox(cfg)
+    assert "WARNING: --tools.sandbox none" in capsys.readouterr().err
