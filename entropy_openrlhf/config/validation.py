@@ -209,7 +209,7 @@ def _validate_objective(cfg: Config, need, notes: list[str]) -> None:
             except ValueError as e:
                 need(False, "entropy.knob", str(e))
         else:
-            # ppo, cispo, gspo: nothing of theirs to scale; the controller drives the entropy bonus alone
+            # ppo, cispo, gspo, sapo, dppo, ce_gppo: nothing of theirs to scale; the controller drives the bonus alone
             need(not cfg.entropy.knob, "entropy.knob", f"objective {lc.type!r} has no knob to scale")
             need(
                 cfg.entropy.max_bonus > lc.entropy_coef,
