@@ -886,3 +886,16 @@ def test_the_global_selection_sees_the_shaped_advantages(tiny, monkeypatch):
     for means, parts in by_mini.items():
         assert means[0] == pytest.approx(float(torch.cat(parts).mean()), rel=1e-5, abs=1e-6)
     assert metrics["loss/kl_cov_frac"] > 0 and metrics["loss/entropy_adv_shift"] > 0
+
+
+def test_the_openrlhf_route_takes_the_new_objectives_and_their_settings():
+    from entropy_openrlhf.integrations.openrlhf import build_settings
+
+    params, _ = build_settings("dppo", {"divergence": "kl", "tis_cap": 0.0})
+    assert (params.divergence, params.tis_cap) == ("kl", 0.0)
+    assert build_settings("sapo", {"tau_neg": 2.0})[0].tau_neg == 2.0
+    assert build_settings("ce_gppo", {"beta_low": 0.5})[0].beta_low == 0.5
+    with pytest.raises(ValueError, match="--objective.beta_high: -1"):
+        build_settings("ce_gppo", {"beta_high": -1.0})
+    with pytest.raises(ValueError, match="--objective.divergence: 'js'"):
+        build_settings("dppo", {"divergence": "js"})
