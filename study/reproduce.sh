@@ -9,6 +9,7 @@
 #   bash study/reproduce.sh                         # the single-seed comparison: grpo clip_higher clip_cov kl_cov
 #   METHODS="kl_cov_target kl_cov_target_ratio" bash study/reproduce.sh   # KL-Cov under entropy control
 #   bash study/reproduce.sh --train.num_steps 10    # any pipeline flag applies to every run
+#   METHODS=async bash study/reproduce.sh --seeds 27   # the asynchrony experiment's four arms (below), seed by seed
 #
 # Each run is a local-mode pipeline (its own Ray on 127.0.0.1, stopped when it ends) writing outputs/repro/<run>,
 # where <run> is the method, or <method>_seed<N> in the study. The study evaluates pass@k with 16 samples per
@@ -85,16 +86,32 @@ CTL_BAND=0.5,0.8
 # seed 2 both knobs reached their bounds and entropy still fell below the band (docs/algorithms/entropy_control.md).
 # kl_cov_clip: an ablation, KL-Cov's penalty on GRPO's clipped loss (`METHODS=kl_cov_clip ... --seeds 3`): KL-Cov
 # minus GRPO mixes the penalty with the clip KL-Cov drops; kl_cov_clip minus GRPO is the penalty alone.
+# async_{grpo,kl_cov}_{sync,partial}: the asynchrony experiment (study/notebook.md, "KL-Cov under asynchrony, fixed in
+# advance"), GRPO and KL-Cov at the seven-seed study's settings under two more schedules beside the committed one step
+# off (grpo_seed<N>, kl_cov_seed<N>: batch mode, staleness 1): synchronous (batch mode, staleness 0) and partial
+# rollouts (staleness 2, the KV cache kept across an in-flight update). The modes are stated, not left to defaults
+# that may change. METHODS=async names the four arms; their runs are never resumed (run_one).
+ASYNC_SYNC="--rollout.mode batch --async.max_staleness 0"
+ASYNC_PARTIAL="--rollout.mode partial --async.max_staleness 2 --rollout.partial_kv keep"
 declare -A PIPELINE=([kl_cov_target]=kl_cov [kl_cov_target_ratio]=kl_cov [kl_cov_band]=kl_cov [grpo_band]=grpo
     [kl_cov_clip]=kl_cov [kl_cov_band_b05]=kl_cov [clip_cov_wide]=clip_cov [clip_cov_global]=clip_cov
-    [clip_cov_all]=clip_cov [clip_cov_r03]=clip_cov [explore_grpo]=grpo [explore_kl_cov]=kl_cov)
+    [clip_cov_all]=clip_cov [clip_cov_r03]=clip_cov [explore_grpo]=grpo [explore_kl_cov]=kl_cov
+    [async_grpo_sync]=grpo [async_kl_cov_sync]=kl_cov [async_grpo_partial]=grpo [async_kl_cov_partial]=kl_cov)
 declare -A EXTRA=([kl_cov_target]="--entropy.target $CTL_BAND"
     [kl_cov_target_ratio]="--entropy.target $CTL_BAND --entropy.knob ratio"
     [kl_cov_band]="--entropy.target $CTL_BAND" [grpo_band]="--entropy.target $CTL_BAND"
     [kl_cov_clip]="--loss.kl_cov.ppo_clip true" [kl_cov_band_b05]="--entropy.target $CTL_BAND --entropy.max_bonus 0.05"
     [clip_cov_wide]="--preset clip-cov-small" [clip_cov_global]="--preset clip-cov-small --loss.scope global"
     [clip_cov_all]="--preset clip-cov-small --loss.clip_cov.ratio 1"
-    [clip_cov_r03]="--preset clip-cov-small --loss.clip_cov.ratio 0.3")
+    [clip_cov_r03]="--preset clip-cov-small --loss.clip_cov.ratio 0.3"
+    [async_grpo_sync]="$ASYNC_SYNC" [async_kl_cov_sync]="$ASYNC_SYNC"
+    [async_grpo_partial]="$ASYNC_PARTIAL" [async_kl_cov_partial]="$ASYNC_PARTIAL")
+ASYNC_ARMS=(async_grpo_sync async_kl_cov_sync async_grpo_partial async_kl_cov_partial)  # a seed's four runs, in order
+expanded=()
+for method in $METHODS; do  # METHODS=async: the four arms of the asynchrony experiment
+    if [[ $method == async ]]; then expanded+=("${ASYNC_ARMS[@]}"); else expanded+=("$method"); fi
+done
+METHODS=${expanded[*]}
 # The order the study's table lists its arms in, the baseline first. An arm declared above but missing here is
 # still plotted, after these: a new arm never drops out of the table unnoticed.
 STUDY_ORDER=(grpo clip_cov kl_cov kl_cov_band grpo_band kl_cov_clip kl_cov_band_b05 clip_cov_wide clip_cov_global
@@ -132,7 +149,13 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
         return
     fi
     if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
-        resume=(--train.resume true)
+        if [[ $run == async_* ]]; then
+            # the asynchrony experiment's runs are unbroken: a resumed streaming run skips the prompts that were in
+            # flight (docs/guides/streaming.md), and every arm of the experiment is treated alike
+            echo "== $run: stopped part-way earlier; the asynchrony experiment's runs start again from step 0"
+        else
+            resume=(--train.resume true)
+        fi
     fi
     # shellcheck disable=SC2086  # EXTRA holds several flags
     local cmd=(.venv/bin/python "pipelines/${PIPELINE[$method]:-$method}.py" --train.output_dir "$OUT/$run"
@@ -190,13 +213,20 @@ if [[ " $METHODS " == *" explore_"* ]]; then
     # the exploration experiment's analysis, fixed before its runs (an error while fewer than two pairs are in)
     .venv/bin/python -m study.explore --runs "$RUNS" | tee "$OUT/results_explore.txt" || true
 fi
+if [[ " $METHODS " == *" async_"* ]]; then
+    # the asynchrony experiment's analysis, fixed before its runs (an error naming the runs still missing)
+    .venv/bin/python -m study.asynchrony --runs "$RUNS" | tee "$OUT/results_async.txt" || true
+fi
 if (( SEEDS > 0 )); then
     # every seed of every study method measured so far: several runs under one label are one method's seeds
     specs=()
     arms=("${STUDY_ORDER[@]}")
     for method in $(printf '%s\n' "${!PIPELINE[@]}" | sort); do
-        # the exploration runs are another task (levels 3-4, 50 steps): tabulated apart, not beside the study's
-        if [[ " ${arms[*]} " != *" $method "* && $method != explore_* ]]; then arms+=("$method"); fi
+        # the exploration runs are another task (levels 3-4, 50 steps) and the asynchrony runs other schedules:
+        # tabulated apart, not beside the study's
+        if [[ " ${arms[*]} " != *" $method "* && $method != explore_* && $method != async_* ]]; then
+            arms+=("$method")
+        fi
     done
     for method in "${arms[@]}"; do
         for dir in "$RUNS"/"${method}"_seed*/; do

@@ -167,6 +167,65 @@ def test_the_exploration_arms_are_as_fixed_in_advance(tmp_path):
     assert flags["--eval.temperature"] == "1.0" and flags["--eval.max_samples"] == "0"
 
 
+ASYNC_ARMS = ["async_grpo_sync", "async_kl_cov_sync", "async_grpo_partial", "async_kl_cov_partial"]
+# what a schedule sets; everything else of an asynchrony arm is the seven-seed study's arm of the same objective
+SCHEDULE_KEYS = {"rollout.mode", "async.max_staleness", "rollout.partial_kv", "train.output_dir", "logger.run_name"}
+
+
+def test_the_asynchrony_arms_are_the_seven_seed_arms_under_their_schedules(tmp_path):
+    # study/notebook.md, "KL-Cov under asynchrony, fixed in advance": fixed before its first run
+    commands = dry_run(tmp_path, ["grpo", "kl_cov", *ASYNC_ARMS], "--seeds", "4-4")
+    study = {arm: accepted(commands[f"{arm}_seed4"]) for arm in ("grpo", "kl_cov")}
+    assert (study["grpo"].rollout.mode, study["grpo"].async_.max_staleness) == ("batch", 1)  # one step off
+    schedules = {"sync": ("batch", 0), "partial": ("partial", 2)}
+    for arm in ASYNC_ARMS:
+        _, objective, schedule = re.fullmatch(r"(async)_(\w+)_(sync|partial)", arm).groups()
+        cfg = accepted(commands[f"{arm}_seed4"])
+        assert (cfg.rollout.mode, cfg.async_.max_staleness) == schedules[schedule], arm
+        assert cfg.rollout.partial_kv == "keep", arm
+        assert (cfg.train.seed, cfg.train.num_steps, cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt) == (
+            4, 25, 4, 4,
+        ), arm  # fmt: skip
+        mine, theirs = cfg.flatten(), study[objective].flatten()
+        differ = {key for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)}
+        assert differ <= SCHEDULE_KEYS, (arm, {key: (mine.get(key), theirs.get(key)) for key in differ})
+        if objective == "kl_cov":
+            assert (cfg.loss.type, cfg.loss.kl_cov.ratio, cfg.loss.kl_cov.coef) == ("kl_cov", 2e-3, 1.0), arm
+        else:
+            assert (cfg.loss.type, cfg.loss.clip_low, cfg.loss.clip_high) == ("ppo", 0.2, 0.2), arm
+        # the correction each schedule comes with by default: none when synchronous, truncated IS when not
+        assert cfg.is_async == (schedule == "partial"), arm
+
+
+def test_methods_async_runs_the_four_arms_seed_by_seed_never_resumed_and_skips_committed_runs(tmp_path):
+    out, plots = tmp_path / "out", tmp_path / "plots"
+    for run in ("async_grpo_partial_seed1", "grpo_seed1"):  # both stopped part-way, with a checkpoint
+        (out / run / "checkpoints" / "step5").mkdir(parents=True)
+    (plots / "runs" / "async_kl_cov_sync_seed2").mkdir(parents=True)  # committed by an earlier sitting
+    (plots / "runs" / "async_kl_cov_sync_seed2" / "metrics.jsonl").write_text("{}\n")
+    env = {**os.environ, "REPRO_DRY_RUN": "1", "REPRO_OUT": str(out), "REPRO_STUDY": str(plots)}
+    done = subprocess.run(["bash", str(SCRIPT), "--seeds", "2"], env={**env, "METHODS": "grpo async"},
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    runs = [line.removeprefix("== ").split(":")[0] for line in lines]
+    assert runs == [
+        "grpo_seed1", "async_grpo_sync_seed1", "async_kl_cov_sync_seed1", "async_grpo_partial_seed1",
+        "async_grpo_partial_seed1", "async_kl_cov_partial_seed1",
+        "grpo_seed2", "async_grpo_sync_seed2", "async_kl_cov_sync_seed2", "async_grpo_partial_seed2",
+        "async_kl_cov_partial_seed2",
+    ]  # fmt: skip
+    by_run = {}
+    for line in lines:
+        by_run.setdefault(line.removeprefix("== ").split(":")[0], []).append(line)
+    assert "--train.resume true" in by_run["grpo_seed1"][0]  # a study run continues from its checkpoint
+    stopped, command = by_run["async_grpo_partial_seed1"]
+    assert "start again from step 0" in stopped and "--train.resume" not in command
+    assert by_run["async_kl_cov_sync_seed2"] == [
+        f"== async_kl_cov_sync_seed2: its metrics are in {plots}/runs/async_kl_cov_sync_seed2, skipped"
+    ]
+
+
 def test_the_exploration_heldout_set_is_the_generators_and_never_trained_on():
     # one fixed set for every run: 48 test-split problems of level 3 and 48 of level 4, disjoint from any train split
     rows = [json.loads(line) for line in (ROOT / "study/runs/explore_base/heldout.jsonl").read_text().splitlines()]
