@@ -69,7 +69,7 @@ os.execv(sys.executable, [sys.executable, "-I", "-u", limits["code"]])
 """
 
 # The whole environment the code sees (both modes): nothing is inherited from the caller.
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "LANG": "C.UTF-8"}
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,9 @@ def _run_bwrap(code: str, stdin: str, rlimits: dict, timeout_s: float, cap: int,
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd="/",
             pass_fds=(code_fd, boot_fd, info_w), start_new_session=True, **kwargs,
         )  # fmt: skip
+    except BaseException:
+        os.close(info_r)
+        raise
     finally:
         for fd in (code_fd, boot_fd, info_w):
             os.close(fd)
