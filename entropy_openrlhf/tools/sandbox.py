@@ -15,6 +15,8 @@ namespaces:
 - a user id that is not the caller's root: when the trainer runs as root, bwrap itself is started as nobody, so
   RLIMIT_NPROC holds (the kernel exempts uid 0 from it) and even an escape lands in an unprivileged account;
 - no capabilities, no_new_privs, no new user namespaces inside (`--disable-userns`), its own session (no TIOCSTI);
+- a seccomp filter (x86_64, aarch64) refusing the kernel interfaces tool code has no use for (keyrings, io_uring,
+  bpf, ptrace, mounts, netlink sockets, ...: _DENIED_SYSCALLS);
 - rlimits on CPU seconds, address space, processes, file size and open files, set by a small bootstrap inside the
   sandbox before the code's interpreter starts;
 - a wall-clock timeout that kills the whole sandbox: killing its pid 1 makes the kernel kill every process of its pid
@@ -38,6 +40,7 @@ import selectors
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -67,6 +70,29 @@ for name, (soft, hard) in limits["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (soft, hard))
 os.execv(sys.executable, [sys.executable, "-I", "-u", limits["code"]])
 """
+
+# System calls the sandbox refuses with EPERM (seccomp, loaded by bwrap before the code starts): kernel interfaces
+# tool code has no use for, and that local privilege escalations have gone through (keyrings, which user namespaces
+# do not separate; io_uring, bpf, userfaultfd, perf events; ptrace and other processes' memory; mounts, namespaces,
+# modules, kexec, swap, reboot, the kernel log). Numbers from the kernel's unistd headers: x86_64, and aarch64
+# (the generic table). Plus, on both, socket(AF_NETLINK, ...): the kernel's netlink families (nftables and others
+# reachable inside a network namespace of one's own).
+_DENIED_SYSCALLS = {
+    # name: (x86_64, aarch64)
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "ptrace": (101, 117),
+    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294), "init_module": (175, 105), "finit_module": (313, 273),
+    "delete_module": (176, 106), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "swapon": (167, 224), "swapoff": (168, 225), "reboot": (169, 142), "setns": (308, 268), "unshare": (272, 97),
+    "acct": (163, 89), "quotactl": (179, 60), "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264),
+    "syslog": (103, 116), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
+    "fspick": (433, 433), "move_mount": (429, 429), "open_tree": (428, 428), "mount_setattr": (442, 442),
+}  # fmt: skip
+_SOCKET = (41, 198)
+_AF_NETLINK = 16
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 
 # The whole environment the code sees (both modes): nothing is inherited from the caller.
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORK_DIR, "LANG": "C.UTF-8"}
@@ -132,19 +158,22 @@ def sandbox_available() -> str | None:
         _interpreter()
     except SandboxUnavailableError as e:
         return str(e)
+    filtered = seccomp_filter() is not None
     probe = (
-        "import os, socket, sys\n"
+        "import os, sys\n"
         "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-        "nets = [n for _, n in socket.if_nameindex()]\n"
+        "nets = [line.split(':')[0].strip() for line in open('/proc/net/dev').readlines()[2:]]\n"
+        "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
         "print(sys.stdin.read()[::-1], os.getuid() != 0 or 'uid 0', nets == ['lo'] or f'interfaces {nets}',\n"
         "      len(pids) <= 3 or f'{len(pids)} processes in /proc', set(os.environ) <= set("
-        f"{sorted(_ENV) + ['PWD']!r}) or 'env ' + ' '.join(os.environ))\n"
+        f"{sorted(_ENV) + ['PWD']!r}) or 'env ' + ' '.join(os.environ),\n"
+        f"      status['Seccomp'].strip() == '2' or not {filtered} or 'no seccomp filter')\n"
     )
     try:
         r = run_python(probe, timeout_s=20.0, memory_mb=512, stdin="ok")
     except (OSError, SandboxUnavailableError) as e:
         return f"bwrap does not start: {e}"
-    if r.stdout.split() != ["ko", "True", "True", "True", "True"]:
+    if r.stdout.split() != ["ko", "True", "True", "True", "True", "True"]:
         detail = (r.stderr.strip().splitlines() or [""])[-1] or r.stdout.strip() or f"exit code {r.exit_code}"
         hint = ""
         if "uid map" in r.stderr or "user namespace" in r.stderr.lower() or "Operation not permitted" in r.stderr:
@@ -201,6 +230,8 @@ def _run_bwrap(code: str, stdin: str, rlimits: dict, timeout_s: float, cap: int,
     python, python_binds = _interpreter()
     code_fd = _memfd("code", code.encode())
     boot_fd = _memfd("boot", _BOOT.encode())
+    filter_program = seccomp_filter()
+    seccomp_fd = _memfd("seccomp", filter_program) if filter_program else None
     info_r, info_w = os.pipe()
     limits = json.dumps({"rlimits": rlimits, "code": CODE_PATH})
     args = [
@@ -217,21 +248,23 @@ def _run_bwrap(code: str, stdin: str, rlimits: dict, timeout_s: float, cap: int,
         "--ro-bind-data", str(code_fd), CODE_PATH, "--ro-bind-data", str(boot_fd), BOOT_PATH,
         "--remount-ro", "/", "--chdir", WORK_DIR,
         "--info-fd", str(info_w),
+        *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         python, "-I", "-S", BOOT_PATH, limits,
     ]  # fmt: skip
+    fds = [fd for fd in (code_fd, boot_fd, info_w, seccomp_fd) if fd is not None]
     kwargs = {}
     if user is not None:
         kwargs = {"user": user, "group": user, "extra_groups": []}
     try:
         proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd="/",
-            pass_fds=(code_fd, boot_fd, info_w), start_new_session=True, **kwargs,
+            pass_fds=fds, start_new_session=True, **kwargs,
         )  # fmt: skip
     except BaseException:
         os.close(info_r)
         raise
     finally:
-        for fd in (code_fd, boot_fd, info_w):
+        for fd in fds:
             os.close(fd)
     box = _Sandbox(proc, info_r)
     return _communicate(proc, stdin, timeout_s, cap, box.kill, box)
@@ -411,6 +444,31 @@ def _communicate(proc: subprocess.Popen, stdin: str, timeout_s: float, cap: int,
 
 
 # ------------------------------------------------------------------------------------------- finding the tools
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """The classic-BPF seccomp program bwrap loads (`--seccomp`): another architecture's calls (i386 through int
+    0x80, x32) kill the process; _DENIED_SYSCALLS and socket(AF_NETLINK) fail with EPERM; everything else is
+    allowed. None on a machine other than x86_64 or aarch64 (the sandbox then runs without it)."""
+    machine = machine or os.uname().machine
+    if machine not in _AUDIT_ARCH:
+        return None
+    col = 0 if machine == "x86_64" else 1
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    # (code, jump if true, jump if false, k); a jump is 0 (the next instruction) or the label it goes to
+    prog: list[tuple[int, int | str, int | str, int]] = [(ld, 0, 0, 4), (jeq, 0, "kill", _AUDIT_ARCH[machine])]
+    prog.append((ld, 0, 0, 0))  # the syscall number
+    if machine == "x86_64":
+        prog.append((jge, "kill", 0, 0x40000000))  # the x32 ABI
+    prog += [(jeq, "deny", 0, numbers[col]) for numbers in _DENIED_SYSCALLS.values()]
+    prog += [(jeq, 0, "allow", _SOCKET[col]), (ld, 0, 0, 16), (jeq, "deny", "allow", _AF_NETLINK)]  # args[0]
+    labels = {"allow": len(prog), "deny": len(prog) + 1, "kill": len(prog) + 2}
+    prog += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x00050000 | 1), (ret, 0, 0, 0x80000000)]  # ALLOW, EPERM, KILL
+
+    def jump(i: int, to: int | str) -> int:
+        return to if isinstance(to, int) else labels[to] - i - 1
+
+    return b"".join(struct.pack("=HBBI", code, jump(i, jt), jump(i, jf), k) for i, (code, jt, jf, k) in enumerate(prog))
 
 
 def _memfd(name: str, data: bytes) -> int:

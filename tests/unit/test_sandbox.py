@@ -5,6 +5,7 @@ fail-closed gate and `--tools.sandbox none`.
 No test ever targets an address off this machine: the network test listens on the host's own 127.0.0.1."""
 
 import json
+import os
 import socket
 import textwrap
 import time
@@ -87,7 +88,7 @@ def test_no_network_not_even_the_hosts_loopback():
                 print("connected")
             except OSError as e:
                 print("refused", type(e).__name__)
-            print([name for _, name in socket.if_nameindex()])
+            print([line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]])
         """)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing came in
@@ -216,6 +217,37 @@ def test_file_size_and_work_dir_are_limited():
     assert r.exit_code != 0 and "File too large" in r.stderr, r
     r = run("for i in range(10):\n    open(f'f{i}', 'wb').write(b'x' * (3 << 20))", max_file_mb=4, work_dir_mb=8)
     assert r.exit_code != 0 and "No space left on device" in r.stderr, r
+
+
+@needs_bwrap
+@pytest.mark.skipif(sb.seccomp_filter() is None, reason="no seccomp filter for this architecture")
+def test_the_kernels_riskier_interfaces_are_refused_and_ordinary_ones_work():
+    keyctl = sb._DENIED_SYSCALLS["keyctl"][0 if os.uname().machine == "x86_64" else 1]
+    r = run(f"""
+        import ctypes, errno, socket, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("keyctl", libc.syscall({keyctl}, 0, -3, 0), errno.errorcode[ctypes.get_errno()])  # session keyring
+        try:
+            socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)
+            print("netlink opened")
+        except PermissionError:
+            print("netlink EPERM")
+        socket.socket().close()
+        socket.socketpair()
+        t = threading.Thread(target=print, args=("thread",))
+        t.start()
+        t.join()
+        print(subprocess.run(["echo", "subprocess"], capture_output=True, text=True).stdout.strip())
+        print(open("/proc/self/status").read().split("Seccomp:")[1].split()[0])
+    """)
+    assert r.stdout.splitlines() == ["keyctl -1 EPERM", "netlink EPERM", "thread", "subprocess", "2"], r
+
+
+def test_the_seccomp_program_is_well_formed():
+    for machine in ("x86_64", "aarch64"):
+        program = sb.seccomp_filter(machine)
+        assert program and len(program) % 8 == 0 and len(program) // 8 < 256
+    assert sb.seccomp_filter("riscv64") is None
 
 
 # ------------------------------------------------------------------------------------------ gate and none mode
