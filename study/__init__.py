@@ -12,6 +12,8 @@ plot_runs.py  the command line: python -m study.plot_runs LABEL=PATH ... (from t
 explore.py    the exploration experiment's analysis, as fixed before its runs: python -m study.explore
 corrections.py  the write-up's corrections of 2026-12-02 (study/notebook.md, "Corrections"): python -m
               study.corrections
+asynchrony.py the asynchrony experiment's analysis and power calculation, fixed before its runs: python -m
+              study.asynchrony (--power)
 entropy_curve.py  exploratory: KL-Cov's (entropy, accuracy) points against GRPO's fitted entropy law: python -m
               study.entropy_curve
 """
