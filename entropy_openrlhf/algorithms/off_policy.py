@@ -15,7 +15,6 @@ differentiated), empty responses give weight 0 and no NaN.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,7 +75,7 @@ class OffPolicyConfig:
 
 PRESETS: dict[str, OffPolicyConfig] = {
     "none": OffPolicyConfig(),
-    # TIS with verl's and SkyRL's token cap and this project's former `async.is_cap` default
+    # TIS with verl's and SkyRL's token cap; an asynchronous run's default (default_for)
     "token_tis": OffPolicyConfig(is_level="token", is_max=2.0),
     # verl's decoupled_seq_is cap (SkyRL defaults to 5, TRL's sequence_truncate to 3)
     "seq_tis": OffPolicyConfig(is_level="sequence", is_max=2.0),
@@ -94,11 +93,10 @@ def preset(name: str) -> OffPolicyConfig:
     return PRESETS[name]
 
 
-def from_legacy(is_correction: bool, is_cap: float) -> OffPolicyConfig:
-    """The config that reproduces `--async.is_correction` / `--async.is_cap`: min(pi_old / pi_rollout, cap) per
-    token, nothing rejected. `is_correction` is the resolved switch (the trainer's `use_is_correction`, which
-    turns 'auto' into on for async runs)."""
-    return dataclasses.replace(PRESETS["token_tis"], is_max=float(is_cap)) if is_correction else PRESETS["none"]
+def default_for(is_async: bool) -> OffPolicyConfig:
+    """What a run with no --offpolicy.* flag applies: token TIS capped at 2 when it is asynchronous (the rollout
+    policy lags pi_old), nothing when it is synchronous (no lag to correct)."""
+    return PRESETS["token_tis"] if is_async else PRESETS["none"]
 
 
 @dataclass

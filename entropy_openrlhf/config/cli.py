@@ -108,9 +108,22 @@ def build_parser(description: str = "", shown: Config | None = None) -> argparse
     return p
 
 
+# Flags that were removed, with what replaces each: named in the error rather than argparse's "unrecognized"
+REMOVED = {
+    "--async.is_correction": "use --offpolicy.preset token_tis (on) or --offpolicy.preset none (off); with no "
+    "--offpolicy.* flag a run gets what auto gave, token TIS capped at 2 when asynchronous",
+    "--async.is_cap": "use --offpolicy.preset token_tis --offpolicy.is_max CAP",
+}
+
+
 def from_args(argv: list[str] | None, defaults: dict[str, Any] | None = None, description: str = "") -> Config:
     """Config = dataclass defaults, then the pipeline's `defaults`, then `--preset`, then explicit flags. `--help`
     shows the values before the explicit flags: what this pipeline with this preset runs."""
+    removed = [a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.split("=", 1)[0] in REMOVED]
+    if removed:  # exits 2 with the usage line, as any other flag error
+        build_parser(description).error(
+            "; ".join(f"{flag} was removed (docs/algorithms/off_policy.md): {REMOVED[flag]}" for flag in removed)
+        )
     cfg = Config()
     for key, value in (defaults or {}).items():
         set_by_path(cfg, key, value)

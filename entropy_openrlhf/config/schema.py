@@ -1,5 +1,5 @@
 """`Config`: every section in the order of `--help` and of `flatten()`, plus the values derived across sections
-(`is_async`, `use_is_correction`, `off_policy`, the reference's GPUs and micro-batch).
+(`is_async`, `off_policy`, the reference's GPUs and micro-batch).
 """
 
 from __future__ import annotations
@@ -69,17 +69,11 @@ class Config:
         return self.uses_reference and self.actor.lora_rank == 0
 
     @property
-    def use_is_correction(self) -> bool:
-        """The legacy --async.is_correction resolved: auto is on for async runs."""
-        return self.async_.is_correction == "on" or (self.async_.is_correction == "auto" and self.is_async)
-
-    @property
     def off_policy(self) -> OffPolicyConfig:
         """The off-policy correction the trainer applies: --offpolicy.* when a preset or a field is set, else the
-        legacy --async.is_correction / --async.is_cap (docs/algorithms/off_policy.md). ValueError for a setting that
-        cannot
-        work (validate() reports it as a ConfigError first)."""
-        return self.offpolicy.resolve(self.use_is_correction, self.async_.is_cap)
+        default, token TIS capped at 2 on async runs and none on synchronous ones (docs/algorithms/off_policy.md).
+        ValueError for a setting that cannot work (validate() reports it as a ConfigError first)."""
+        return self.offpolicy.resolve(self.is_async)
 
 
 def reference_gpus(cfg: Config) -> float:

@@ -32,7 +32,6 @@ def validate(cfg: Config) -> list[str]:
         section = getattr(cfg, f.name)
         if isinstance(section, Section):
             errors += section.validate(_name(f))
-    _validate_off_policy(cfg, notes)
     _validate_objective(cfg, need, notes)
     r, a = cfg.rollout, cfg.actor
     _validate_gpu_sharing(cfg, need)
@@ -114,26 +113,6 @@ def validate(cfg: Config) -> list[str]:
     for note in notes:
         warnings.warn(note, stacklevel=2)
     return notes
-
-
-def _validate_off_policy(cfg: Config, notes: list[str]) -> None:
-    """The legacy --async.is_correction / --async.is_cap: still honoured while --offpolicy.* is untouched, with a
-    deprecation note; ignored (and said so) once it is set. The --offpolicy.* rules are OffPolicySection.checks'."""
-    legacy = {"async.is_correction": cfg.async_.is_correction, "async.is_cap": cfg.async_.is_cap}
-    given = {k: v for k, v in legacy.items() if v != {"async.is_correction": "auto", "async.is_cap": 2.0}[k]}
-    if not given:
-        return
-    flags = " ".join(f"--{k} {v}" for k, v in given.items())
-    if cfg.offpolicy.is_default():
-        if cfg.use_is_correction:
-            now = f"--offpolicy.preset token_tis --offpolicy.is_max {cfg.async_.is_cap:g}"
-        else:
-            now = "--offpolicy.preset none"
-        notes.append(
-            f"{flags} is deprecated: it means {now} (docs/algorithms/off_policy.md); use the --offpolicy.* flags"
-        )
-    else:
-        notes.append(f"{flags} is ignored: --offpolicy.* is set, and the new flags win (docs/algorithms/off_policy.md)")
 
 
 def _validate_gpu_sharing(cfg: Config, need) -> None:

@@ -41,7 +41,7 @@ def policy_config(loss: str, workers: int = 1, scope: str = "micro_batch", zero:
             "--actor.micro_batch_size", "2",
             "--loss.scope", scope,
             "--actor.lr", "1e-3",
-            "--async.is_correction", "off",
+            "--offpolicy.preset", "none",
         ],
         {"loss.type": loss, **({"loss.clip_low": 1.0, "loss.clip_high": 1.0} if loss == "clip_cov" else {})},
     )  # fmt: skip

@@ -45,7 +45,7 @@ def config(agg: str, shared_prefix: str, budget: int, head_chunk: int = 0):
     return from_args(
         ["--preset", "smoke", "--train.seed", "3", "--train.mini_batches", str(MINI),
          "--actor.num_workers", str(WORKERS), "--actor.micro_batch_size", "2", "--actor.lr", "0.05",
-         "--actor.adam_eps", "1.0", "--actor.grad_clip", "1.0", "--loss.agg", agg, "--async.is_correction", "off",
+         "--actor.adam_eps", "1.0", "--actor.grad_clip", "1.0", "--loss.agg", agg, "--offpolicy.preset", "none",
          "--train.shared_prefix", shared_prefix, "--train.max_tokens_per_micro_batch", str(budget),
          "--train.head_chunk_tokens", str(head_chunk)],
         {"loss.type": "ppo"},

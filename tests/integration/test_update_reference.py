@@ -104,8 +104,8 @@ def config(
             "--actor.adam_eps", "1.0",
             "--actor.grad_clip", "1.0",
             "--loss.scope", scope,
-            "--async.is_correction", "on",
-            "--async.is_cap", str(IS_CAP),
+            "--offpolicy.preset", "token_tis",
+            "--offpolicy.is_max", str(IS_CAP),
             "--train.shared_prefix", shared_prefix,
             "--train.ppo_epochs", str(epochs),
             *lora_flags,
@@ -142,9 +142,8 @@ def reference_step(model_path, cfg, samples, old_rows, workers, select=True):
         eps=cfg.actor.adam_eps, weight_decay=cfg.actor.weight_decay,
     )  # fmt: skip
     lc = cfg.loss
-    weights = [
-        torch.exp(o - torch.tensor(s.rollout_log_probs)).clamp(max=cfg.async_.is_cap) for s, o in zip(samples, old_rows)
-    ]
+    cap = cfg.off_policy.is_max
+    weights = [torch.exp(o - torch.tensor(s.rollout_log_probs)).clamp(max=cap) for s, o in zip(samples, old_rows)]
     if cfg.off_policy.bypass:  # pi_old is the rollout's (old_rows): nothing to reweight
         weights = [torch.ones(len(s.response_ids)) for s in samples]
     per_mini, fracs = N // MINI, []
@@ -394,7 +393,7 @@ def test_bypass_step_equals_the_reference_step_against_the_rollout_log_probs(ray
     KL-Cov step with the rollout's log-probs as pi_old (and no weights) is the reference; with the model's own
     log-probs as pi_old it misses."""
     cfg = config("kl_cov", "micro_batch", 1, "on")
-    cfg.offpolicy.bypass = True  # a new flag: the legacy --async.is_correction on of config() is ignored
+    cfg.offpolicy = type(cfg.offpolicy)(bypass=True)  # in place of config()'s token TIS: bypass admits none
     samples, old_rows = make_batch(tiny_model)
     rollout_rows = [torch.tensor(s.rollout_log_probs) for s in samples]
     initial, metrics, actor = actor_step(cfg, tiny_model, samples)

@@ -52,7 +52,7 @@ class TestCollectiveSync:
 
         cfg = from_args(
             ["--preset", "smoke", "--actor.micro_batch_size", "2", "--actor.lr", "1e-3"],
-            {"loss.type": "ppo", "async_.is_correction": "off"},
+            {"loss.type": "ppo", "offpolicy.preset": "none"},
         )
         group = PolicyGroup(cfg, tiny_model)
         yield group

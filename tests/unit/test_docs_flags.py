@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from entropy_openrlhf.config import build_parser
+from entropy_openrlhf.config.cli import REMOVED
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -22,6 +23,7 @@ NOT_OURS = {
     "--loss.reinforce.scale": "extending.md's example of a new objective's setting",
     "--section.field": "the flags' pattern",
     "--prefix.field": "the flags' pattern",
+    **dict.fromkeys(REMOVED, "removed: the parser refuses it naming its replacement, and the docs say so"),
 }
 # Code whose strings name flags to a user; integrations/ speaks OpenRLHF's flags and is left out
 SOURCES = [

@@ -18,7 +18,7 @@ from entropy_openrlhf.algorithms.off_policy import (
     REJECT_MODES,
     OffPolicyConfig,
     correct,
-    from_legacy,
+    default_for,
     metrics_by_staleness,
     preset,
     selection_by_staleness,
@@ -268,15 +268,13 @@ def test_presets_have_documented_values():
         preset("tis")
 
 
-def test_from_legacy():
-    cfg = from_legacy(True, 3.0)
-    assert (cfg.is_level, cfg.is_min, cfg.is_max, cfg.reject, cfg.bypass) == ("token", 0.0, 3.0, "none", False)
-    assert from_legacy(False, 3.0) == PRESETS["none"]
-    with pytest.raises(ValueError, match=r"offpolicy\.is_max"):
-        from_legacy(True, 0.5)
+def test_the_default_is_token_tis_capped_at_2_when_async_and_none_when_synchronous():
+    cfg = default_for(True)
+    assert (cfg.is_level, cfg.is_min, cfg.is_max, cfg.reject, cfg.bypass) == ("token", 0.0, 2.0, "none", False)
+    assert default_for(False) == PRESETS["none"]
     # the same weights as the trainer's former inline correction: exp(clamp(old - rollout)).clamp(max=cap)
     old, rollout, mask = make_batch(0)
-    legacy = torch.exp((old - rollout).clamp(-20, 20)).clamp(max=3.0)
+    legacy = torch.exp((old - rollout).clamp(-20, 20)).clamp(max=2.0)
     torch.testing.assert_close(correct(old, rollout, mask, cfg).weights[mask], legacy[mask])
 
 

@@ -1,7 +1,7 @@
 """The off-policy correction (algorithms/off_policy.py) wired into both training routes (docs/algorithms/off_policy.md):
 
-- the `--offpolicy.*` flags: presets, overrides, the legacy `--async.is_correction / is_cap` mapping, errors that name
-  the flag, the KL-Cov note under bypass;
+- the `--offpolicy.*` flags: presets, overrides, the default, the removed `--async.is_correction / is_cap` refused
+  naming their replacement, errors that name the flag, the KL-Cov note under bypass;
 - the trainer's step (PolicyActor.train_step and train_phases, on a tiny random model behind a stand-in for the
   DeepSpeed engine that records what it is asked): weights into every objective's loss with rejected tokens kept in
   the mask, `offpolicy/*` metrics by staleness, bypass (no old pass, pi_old = the rollout's log-probs, entropies from
@@ -50,25 +50,24 @@ def test_help_lists_the_offpolicy_flags():
 def test_the_default_is_todays_token_tis_capped_at_2_on_async_runs():
     assert from_args([]).off_policy == OffPolicyConfig(is_level="token", is_max=2.0)  # max_staleness 1: async
     assert from_args(["--async.max_staleness", "0"]).off_policy == PRESETS["none"]
-    assert not quiet_validate(from_args([]))  # no deprecation note when nothing is set
+    assert not quiet_validate(from_args([]))  # no note when nothing is set
+    # a single field is enough to replace the default: unset fields take OffPolicyConfig's defaults
+    assert from_args(["--offpolicy.reject", "token"]).off_policy == OffPolicyConfig(reject="token")
 
 
-def test_legacy_flags_still_decide_with_a_deprecation_note():
-    cfg = from_args(["--async.is_correction", "on", "--async.is_cap", "1.5", "--async.max_staleness", "0"])
-    assert cfg.off_policy == OffPolicyConfig(is_level="token", is_max=1.5)
-    (note,) = quiet_validate(cfg)
-    assert "deprecated" in note and "--offpolicy.is_max 1.5" in note and "\n" not in note
-    off = from_args(["--async.is_correction", "off"])
-    assert off.off_policy == PRESETS["none"] and "--offpolicy.preset none" in quiet_validate(off)[0]
-
-
-def test_the_new_flags_win_over_the_legacy_ones():
-    cfg = from_args(["--async.is_correction", "on", "--async.is_cap", "1.5", "--offpolicy.preset", "seq_tis"])
-    assert cfg.off_policy == PRESETS["seq_tis"]  # is_max 2, not the legacy 1.5
-    assert any("ignored" in n for n in quiet_validate(cfg))
-    # a single field is enough to hand the decision to the new flags: unset fields take OffPolicyConfig's defaults
-    one = from_args(["--async.is_correction", "on", "--offpolicy.reject", "token"])
-    assert one.off_policy == OffPolicyConfig(reject="token")
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--async.is_correction", "on"], "--offpolicy.preset token_tis (on) or --offpolicy.preset none (off)"),
+        (["--async.is_cap=1.5", "--offpolicy.preset", "seq_tis"], "--offpolicy.preset token_tis --offpolicy.is_max"),
+    ],
+)
+def test_the_removed_async_is_flags_are_refused_naming_the_offpolicy_spelling(argv, named, capsys):
+    with pytest.raises(SystemExit) as stop:
+        from_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{argv[0].split('=')[0]} was removed" in err and named in err, err
 
 
 def test_a_preset_fills_the_fields_and_non_default_fields_override_it():

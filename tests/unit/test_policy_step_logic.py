@@ -43,7 +43,7 @@ def micro_batches(cfg, n_samples: int) -> tuple[int, int]:
 
 def old_pass_config():
     """KL-Cov with IS weights on (test_policy.py's _step_with_separate_old_pass)."""
-    cfg = from_args([*SMOKE_STEP, "--async.is_correction", "on"], {"loss.type": "kl_cov"})
+    cfg = from_args([*SMOKE_STEP, "--offpolicy.preset", "token_tis"], {"loss.type": "kl_cov"})
     cfg.loss.kl_cov.ratio = 0.1
     return cfg
 
@@ -52,7 +52,7 @@ def bonus_config(coef: float, workers: int):
     """test_policy.py's _bonus_group's flags."""
     return from_args(
         ["--preset", "smoke", "--actor.num_workers", str(workers), "--actor.micro_batch_size", "2",
-         "--actor.lr", "1e-3", "--async.is_correction", "off", "--loss.entropy_coef", str(coef)],
+         "--actor.lr", "1e-3", "--offpolicy.preset", "none", "--loss.entropy_coef", str(coef)],
         {"loss.type": "ppo"},
     )  # fmt: skip
 

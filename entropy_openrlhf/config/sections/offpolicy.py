@@ -1,7 +1,7 @@
 """The `--offpolicy.*` flags: the correction between the policy that sampled a response (vLLM's log-probs) and the
 trainer's pi_old, and bypass mode. The fields are those of `algorithms.off_policy.OffPolicyConfig`, whose
-`__post_init__` holds the rules; this section adds `--offpolicy.preset` and the legacy `--async.is_correction` /
-`--async.is_cap` mapping (docs/algorithms/off_policy.md, "Flags").
+`__post_init__` holds the rules; this section adds `--offpolicy.preset` and the default of a run that sets none of
+them (docs/algorithms/off_policy.md, "Flags").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from entropy_openrlhf.algorithms.off_policy import (
     PRESETS,
     REJECT_MODES,
     OffPolicyConfig,
-    from_legacy,
+    default_for,
     preset,
 )
 from entropy_openrlhf.config.base import Section
@@ -30,8 +30,8 @@ class OffPolicySection(Section):
     preset: str = _f(
         "",
         "named setting that fills the fields below: " + " | ".join(PRESETS) + "; a field given a value other than "
-        "its default overrides the preset. Empty with every field at its default: --async.is_correction / "
-        "--async.is_cap decide (token TIS capped at 2 on async runs)",
+        "its default overrides the preset. Empty with every field at its default: token_tis (capped at 2) on "
+        "async runs, none on synchronous ones",
     )
     is_level: str = _f(
         _DEFAULTS.is_level,
@@ -59,15 +59,15 @@ class OffPolicySection(Section):
         return {name: getattr(self, name) for name in FIELDS if getattr(self, name) != getattr(_DEFAULTS, name)}
 
     def is_default(self) -> bool:
-        """No preset and every field at its default: the legacy --async flags decide."""
+        """No preset and every field at its default: the run's default applies (default_for)."""
         return not self.preset and not self.explicit()
 
-    def resolve(self, legacy_on: bool, legacy_cap: float) -> OffPolicyConfig:
-        """The correction the trainer applies. `legacy_on` is the resolved --async.is_correction (auto: on when
-        async), `legacy_cap` --async.is_cap; they decide only while `is_default()`. Raises OffPolicyConfig's
-        ValueError ("offpolicy.<field>: why") for a setting that cannot work."""
+    def resolve(self, is_async: bool) -> OffPolicyConfig:
+        """The correction the trainer applies: the preset with the fields given over it, or, with neither, the
+        default for an asynchronous or a synchronous run. Raises OffPolicyConfig's ValueError
+        ("offpolicy.<field>: why") for a setting that cannot work."""
         if self.is_default():
-            return from_legacy(legacy_on, legacy_cap)
+            return default_for(is_async)
         base = preset(self.preset) if self.preset else _DEFAULTS
         return dataclasses.replace(base, **self.explicit())
 
@@ -76,9 +76,8 @@ class OffPolicySection(Section):
         return self.bypass or (self.preset in PRESETS and PRESETS[self.preset].bypass)
 
     def checks(self) -> list[str]:
-        # the legacy flags cannot make an invalid config (from_legacy's cap is --async.is_cap, checked there)
-        try:
-            self.resolve(False, 2.0)
+        try:  # the defaults are valid configs: only a preset and the fields given can fail
+            self.resolve(False)
         except ValueError as e:
             return [f"--{e}"]  # OffPolicyConfig's and preset()'s messages start with "offpolicy.<field>: "
         return []

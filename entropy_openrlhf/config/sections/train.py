@@ -97,19 +97,9 @@ class TrainConfig(Section):
 @dataclass
 class AsyncConfig(Section):
     max_staleness: int = _f(1, "policy versions a rollout may lag the trainer (0 = synchronous)")
-    is_correction: str = _f(
-        "auto",
-        "deprecated, use --offpolicy.*: truncated importance sampling vs the rollout log-probs: auto (on when "
-        "async) | on | off; decides only while every --offpolicy.* flag is at its default",
-        choices=("auto", "on", "off"),
-    )
-    is_cap: float = _f(2.0, "deprecated, use --offpolicy.is_max: cap of the token-level importance weight")
 
     def checks(self) -> list[str]:
-        return _failed(
-            (self.max_staleness >= 0, "async.max_staleness", f"{self.max_staleness} must be >= 0"),
-            (self.is_cap >= 1, "async.is_cap", "must be >= 1"),
-        )
+        return _failed((self.max_staleness >= 0, "async.max_staleness", f"{self.max_staleness} must be >= 0"))
 
 
 @dataclass
