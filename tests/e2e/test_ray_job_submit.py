@@ -67,10 +67,10 @@ def head(tmp_path_factory):
     assert subprocess.run(["pgrep", "-f", tmp], capture_output=True).returncode == 1  # nothing of it left
 
 
-def submit(env: dict, runtime_env: dict, args: list[str], timeout: float) -> tuple[int, str]:
+def submit(env: dict, runtime_env: dict, args: list[str], timeout: float, pipeline: str = "kl_cov") -> tuple[int, str]:
     proc = subprocess.run(
         [str(ROOT / ".venv/bin/ray"), "job", "submit", "--address", f"http://127.0.0.1:{DASH}", "--working-dir", ".",
-         "--runtime-env-json", json.dumps(runtime_env), "--", "python", "pipelines/kl_cov.py", *args],
+         "--runtime-env-json", json.dumps(runtime_env), "--", "python", f"pipelines/{pipeline}.py", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     return proc.returncode, proc.stdout + proc.stderr
@@ -101,11 +101,13 @@ def test_smoke_job_on_a_two_cpu_head_with_the_wandb_key_in_the_runtime_env(head)
 
 @pytest.mark.timeout(1200)
 def test_a_lora_job_syncs_only_the_adapter_and_saves_it_beside_the_merged_model(head, tmp_path):
-    """`pipelines/kl_cov.py --actor.lora_rank` through `ray job submit` on the built-in task (docs/guides/lora.md):
-    the adapter sync, the reference as the base, the final folder merged with the adapter beside it."""
+    """`pipelines/dppo.py --actor.lora_rank` through `ray job submit` on the built-in task (docs/guides/lora.md):
+    the adapter sync, the reference as the base, the final folder merged with the adapter beside it. DPPO with the
+    entropy-based advantage (docs/algorithms/losses.md), so that objective and the option run as a job too."""
     out_dir = tmp_path / "run"
-    args = ["--preset", "smoke", "--train.output_dir", str(out_dir), "--actor.lora_rank", "8", "--ref.enabled", "true"]
-    code, log = submit(head, {"excludes": EXCLUDES}, args, timeout=900)
+    args = ["--preset", "smoke", "--train.output_dir", str(out_dir), "--actor.lora_rank", "8", "--ref.enabled", "true",
+            "--algo.entropy_adv_alpha", "0.4"]  # fmt: skip
+    code, log = submit(head, {"excludes": EXCLUDES}, args, timeout=900, pipeline="dppo")
     assert code == 0, log[-4000:]
     assert "weight sync: adapter only" in log, log[-4000:]
     final = out_dir / "final"
@@ -114,6 +116,7 @@ def test_a_lora_job_syncs_only_the_adapter_and_saves_it_beside_the_merged_model(
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(0 < m["sync/mb"] < 1 for m in metrics)  # a rank-8 adapter of the tiny model: well under a MiB
     assert metrics[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the base
+    assert all("loss/dppo_masked_frac" in m and "loss/entropy_adv_shift" in m for m in metrics)
 
 
 @pytest.mark.timeout(1200)
@@ -165,8 +168,9 @@ def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(hea
     submitted = subprocess.run(
         [str(ROOT / ".venv/bin/ray"), "job", "submit", "--no-wait", "--submission-id", job_id,
          "--address", f"http://127.0.0.1:{DASH}", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env),
-         "--", "python", "pipelines/kl_cov.py", "--preset", "smoke", "--train.output_dir", str(out_dir),
-         "--train.num_steps", "50", "--train.save_every", "1"],  # far more steps than it gets to run
+         "--", "python", "pipelines/sapo.py", "--preset", "smoke", "--train.output_dir", str(out_dir),
+         "--train.num_steps", "50", "--train.save_every", "1"],  # far more steps than it gets to run (SAPO: the
+        # objective's pipeline as a job)
         cwd=ROOT, env=head, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -195,6 +199,8 @@ def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(hea
     assert stop_line is not None, log[-4000:]
     assert re.search(r"newest complete checkpoint: \S+/checkpoints/step\d+ ", stop_line), stop_line
     command = lines[lines.index(stop_line) + 1].strip()
-    assert command.startswith("ray job submit <your options> -- python pipelines/kl_cov.py --preset smoke")
+    assert command.startswith("ray job submit <your options> -- python pipelines/sapo.py --preset smoke")
     assert command.endswith("--train.num_steps 50 --train.save_every 1 --train.resume true"), command
     assert all(p.name.startswith("step") for p in (out_dir / "checkpoints").iterdir())  # no .tmp-step<N>
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all("loss/sapo_gate_mean" in m for m in metrics)  # SAPO trained the steps it ran

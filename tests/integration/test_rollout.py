@@ -210,8 +210,8 @@ def test_update_weights_matches_transformers(group, tiny_model):
 # A sync's deadline must leave the healthy engines time to load, or they are named as stalled too. Loading the tiny
 # model takes well under a second on a quiet machine; these leave room for a load of 4 on 2 cores, where both
 # cores are also busy generating (the second case).
-STALLED_SYNC_TIMEOUT_S = 10.0
-BUSY_SYNC_TIMEOUT_S = 8.0
+STALLED_SYNC_TIMEOUT_S = 4.0
+BUSY_SYNC_TIMEOUT_S = 4.0
 
 
 @pytest.mark.timeout(900)  # about 8 generations' worth of engine time and three syncs: a minute or two when loaded
