@@ -51,6 +51,9 @@ class Sample:
     # their context's KV came from older weights (rollout/stale_kv_token_frac)
     token_versions: list[int] | None = None
     stale_kv_tokens: int = 0
+    # multi-turn rollouts (tool episodes): the policy's turn each response token belongs to (1, 2, ...), 0 on the
+    # tokens it did not choose; what the per-turn entropy metrics group by. None: one turn
+    token_turns: list[int] | None = None
     # filled by the reward group
     reward: float = 0.0
     acc: bool = False
@@ -64,7 +67,7 @@ class Sample:
     def check(self, where: str) -> None:
         """Raise ValueError, naming `where` and the field, unless the per-token fields line up with the response."""
         n = len(self.response_token_ids)
-        for name in ("rollout_log_probs", "response_mask", "ref_log_probs", "token_versions"):
+        for name in ("rollout_log_probs", "response_mask", "ref_log_probs", "token_versions", "token_turns"):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{where}: {name} has {len(values)} values for {n} response tokens")

@@ -28,6 +28,9 @@ class TrainSample:
     token_staleness: list[int] | None = None
     # the response's data source where the step mixes several (entropy/<source>/seq_mean); "" otherwise
     data_source: str = ""
+    # tool episodes: the policy's turn of each response token (1, 2, ...; 0 on tool tokens), for the per-turn entropy
+    # metrics (Sample.token_turns); None: one turn
+    token_turns: list[int] | None = None
 
 
 # reduced over micro-batches and ranks by max, the rest by mean

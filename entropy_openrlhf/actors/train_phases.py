@@ -42,7 +42,7 @@ from entropy_openrlhf.actors.micro_batches import fixed_layout
 from entropy_openrlhf.actors.step_data import TrainSample, reduce_micro_batches
 from entropy_openrlhf.algorithms.advantages import entropy_advantage
 from entropy_openrlhf.algorithms.losses import aggregate, entropy_bonus
-from entropy_openrlhf.algorithms.metrics import entropy_stats
+from entropy_openrlhf.algorithms.metrics import entropy_stats, turn_entropy_stats
 from entropy_openrlhf.algorithms.objectives import (
     LossContext,
     TokenBatch,
@@ -99,6 +99,8 @@ class StepState:
     ages: set[int] = field(default_factory=set)  # the staleness values of every token this rank trains on
     # per micro-batch, each response's data source where the step mixes several, else "" (TrainSample.data_source)
     sources: list[list[str]] = field(default_factory=list)
+    # per micro-batch, (B, L): each response token's turn in a tool episode (TrainSample.token_turns); None: one turn
+    turns: list[torch.Tensor] | None = None
     epochs: int = 1  # passes over the mini-batches (`--train.ppo_epochs`), each mini-batch one optimizer step per pass
     metrics: dict[str, list[float]] = field(default_factory=dict)
     lr: float = 0.0  # the learning rate the last optimizer step applied (optimizer_step)
@@ -204,6 +206,8 @@ def prepare_step(
     objective = get_objective(lc.type)
     off_policy = cfg.off_policy
     rollout_lp = grid(lambda s: s.rollout_log_probs)
+    multi_turn = any(s.token_turns is not None for s in samples)
+    turns = grid(lambda s: s.token_turns or [1] * len(s.response_ids)) if multi_turn else None
     return StepState(
         step=step,
         params=objective.scaled(getattr(lc, lc.type), strength_scale, cfg.entropy.knob),
@@ -224,6 +228,7 @@ def prepare_step(
         is_weights=[None] * len(batches),
         staleness=grid(lambda s: s.token_staleness or [s.staleness] * len(s.response_ids)),
         sources=[[s.data_source for s in m] for m in micro],
+        turns=turns,
         ages={a for x in samples for a in (x.token_staleness or [x.staleness])},
     )
 
@@ -267,6 +272,9 @@ def observe_old(cfg: Config, s: StepState, i: int, current: torch.Tensor | None 
         rows = torch.tensor([name == source for name in sources], device=b.mask.device)
         if b.mask[rows].any():  # every token of the source masked (--loss.mask_truncated): no entropy, not a 0
             s.add(f"entropy/{source}/seq_mean", entropy_stats(s.entropies[i][rows], b.mask[rows])["seq_mean"])
+    if s.turns is not None:  # tool episodes: entropy per turn, and right after each tool output
+        for k, v in turn_entropy_stats(s.entropies[i], b.mask, s.turns[i], cfg.tools.post_tool_tokens).items():
+            s.add(k, v)
     s.add("rollout/vllm_kl", float(((r - lp) * b.mask).sum() / n))
     # the weight-sync check: with max_staleness 0 the engine holds the trainer's weights, so only numerics
     gap = (r - lp).abs() * b.mask

@@ -98,6 +98,31 @@ def entropy_stats(entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]
     return {"token_mean": float(ent.sum() / n), "seq_mean": float(seq_means.mean())}
 
 
+def turn_entropy_stats(
+    entropy: torch.Tensor, mask: torch.Tensor, turns: torch.Tensor, post_tool_tokens: int
+) -> dict[str, float]:
+    """Entropy per turn of tool episodes: `entropy/turn1/seq_mean`, `turn2`, `turn3+` (entropy_stats' seq_mean over
+    the valid tokens of that turn, each response that has some counting once), and `entropy/post_tool_token_mean`,
+    the token mean over the first `post_tool_tokens` policy tokens of every turn after a tool output. `turns`: each
+    token's turn (1, 2, ...; 0 on tool tokens), shaped like `mask`. A key is absent where no valid token has it (not
+    a 0: a micro-batch without a second turn says nothing of second turns)."""
+    valid = mask.bool()
+    out = {}
+    for name, chosen in (("turn1", turns == 1), ("turn2", turns == 2), ("turn3+", turns >= 3)):
+        keep = valid & chosen
+        if keep.any():
+            out[f"entropy/{name}/seq_mean"] = entropy_stats(entropy, keep)["seq_mean"]
+    # each token's position within its turn: its index less the index where the run of its turn id began
+    index = torch.arange(turns.shape[-1], device=turns.device).expand_as(turns)
+    starts = torch.ones_like(valid)
+    starts[..., 1:] = turns[..., 1:] != turns[..., :-1]
+    position = index - torch.where(starts, index, 0).cummax(-1).values
+    post = valid & (turns >= 2) & (position < post_tool_tokens)
+    if post.any():
+        out["entropy/post_tool_token_mean"] = float(entropy.float()[post].mean())
+    return out
+
+
 def covariance_stats(log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Token covariances c = (A - mean A)(logp - mean logp) over the valid tokens, and the batch estimate of
     Cov(log pi, A) (their mean), whose sign drives entropy: positive means entropy falls (docs/algorithms/losses.md,

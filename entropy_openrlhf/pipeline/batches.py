@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from entropy_openrlhf.rollouts.python_tool import tool_metrics
 from entropy_openrlhf.samples import PromptItem, Sample
 
 
@@ -64,7 +65,8 @@ def mixed_sources(samples: list[Sample]) -> bool:
 
 def sample_metrics(samples: list[Sample], step: int) -> dict[str, float]:
     """What the step's training samples were: how far behind the trainer's weights (the trainer is at `step`)
-    their policy was, their length and truncation, their count, and the version the step publishes."""
+    their policy was, their length and truncation, their count, the version the step publishes, and, for tool
+    episodes, their tool calls and turns (python_tool.tool_metrics)."""
     staleness = [step - s.policy_version for s in samples]
     lengths = [len(s.response_token_ids) for s in samples]
     return {
@@ -74,6 +76,7 @@ def sample_metrics(samples: list[Sample], step: int) -> dict[str, float]:
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/samples": float(len(samples)),
         "policy/version": float(step + 1),
+        **tool_metrics(samples),
     }
 
 

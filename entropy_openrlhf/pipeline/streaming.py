@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from entropy_openrlhf.actors.engine_settings import prompt_seed
 from entropy_openrlhf.pipeline.batches import Batch, merge_reward_metrics
 from entropy_openrlhf.pipeline.evaluation import evaluate
-from entropy_openrlhf.rollouts import GroupRequest, check_groups, get_group_rollout
+from entropy_openrlhf.rollouts import GroupRequest, ToolSession, check_groups, get_group_rollout
 from entropy_openrlhf.rollouts.base import RolloutRequest
 from entropy_openrlhf.rollouts.engines import StreamEngines, engine_idle_frac, read_stream_stats
 from entropy_openrlhf.samples import PromptItem, Sample
@@ -69,6 +69,9 @@ class StreamProducer:
         self.group_fn = get_group_rollout(cfg.rollout.function)
         self.tokenizer = AutoTokenizer.from_pretrained(trainer.model_path)
         self.token_ids: dict[int, list[int]] = {}  # by prompt index: each prompt is tokenised once
+        # a tool rollout's sandbox pool, tokenizer and limits, in every group request (rollouts/python_tool.py)
+        pool = getattr(trainer, "tools", None)
+        self.tools = ToolSession.from_config(cfg, pool, self.tokenizer) if cfg.uses_tools else None
         # scored groups, in the order they finished, each with its key and reward metrics
         self.buffer: list[tuple[int, list[Sample], dict[str, float]]] = []
         # the prompts drawn and not yet trained (key: the order they were drawn in), as (epoch, position in the
@@ -168,7 +171,9 @@ class StreamProducer:
         if prompt.index not in self.token_ids:  # the prompt text holds the chat template's special tokens: add none
             self.token_ids[prompt.index] = self.tokenizer(prompt.prompt, add_special_tokens=False)["input_ids"]
         tag = f"g{next(self.tags)}p{prompt.index}"
-        request = GroupRequest(self.token_ids[prompt.index], n, temperature, top_p, max_new_tokens, seed, tag)
+        request = GroupRequest(
+            self.token_ids[prompt.index], n, temperature, top_p, max_new_tokens, seed, tag, tools=self.tools
+        )
         samples = await self.group_fn(self.engines, prompt, request)
         check_groups(
             [samples],
@@ -286,6 +291,11 @@ class StreamProducer:
         with t._eval_lock:
             t.eval_results.append((version, result))
 
+    def groups_after_run(self) -> GroupsAfterRun:
+        """The engines' batch `generate` through the group coroutines once `run` has ended: the final evaluation's
+        for a rollout function with no batch form (python_tool)."""
+        return GroupsAfterRun(self)
+
     def _reference(self, batch: Batch) -> None:
         reference = self.t.reference
         if reference is None:
@@ -343,3 +353,34 @@ class StreamedGroups:
                 f"evaluation: {len(prompts)} prompt(s) x {n} were not rolled out within {limit:g} s"
             ) from None
         return [s for g in groups for s in g]
+
+
+class GroupsAfterRun:
+    """StreamedGroups once the producer's event loop has ended: each `generate` runs the group coroutines in an event
+    loop of its own, over streaming engines of its own (each request keeps its deadline there)."""
+
+    def __init__(self, producer: StreamProducer):
+        self.producer = producer
+
+    def generate(
+        self,
+        prompts: list[PromptItem],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int | None,
+        policy_version: int,
+    ) -> list[Sample]:
+        producer = self.producer
+
+        async def all_groups() -> list[list[Sample]]:
+            async with StreamEngines(producer.t.rollout) as engines:
+                producer.engines = engines
+                return await asyncio.gather(
+                    *(producer._roll(p, n, temperature, top_p, max_new_tokens, prompt_seed(seed, p.index))
+                      for p in prompts)
+                )  # fmt: skip
+
+        return [s for g in asyncio.run(all_groups()) for s in g]

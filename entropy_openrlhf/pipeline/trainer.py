@@ -47,9 +47,11 @@ from entropy_openrlhf.pipeline.faults import NodeLossHandling, NodeLostError
 from entropy_openrlhf.pipeline.placement import actor_node_ids, addresses_by_group
 from entropy_openrlhf.pipeline.run_notes import STARVED_STEPS, eval_due, starvation_note
 from entropy_openrlhf.pipeline.streaming import StreamProducer
-from entropy_openrlhf.rollouts import RolloutRequest, ThroughRolloutFunction, check_groups, get_rollout
+from entropy_openrlhf.rollouts import RolloutRequest, ThroughRolloutFunction, check_groups, get_rollout, has_batch_form
+from entropy_openrlhf.rollouts.python_tool import apply_error_penalty
 from entropy_openrlhf.samples import PromptItem, Sample
 from entropy_openrlhf.sync.factory import make_weight_sync
+from entropy_openrlhf.tools.pool import ToolPool
 
 
 class Trainer(Checkpointing, NodeLossHandling):
@@ -74,7 +76,11 @@ class Trainer(Checkpointing, NodeLossHandling):
         self._eval_lock = threading.Lock()  # the producer appends to eval_results, the trainer thread takes them
         # --entropy.target: moves the objective's knob and the entropy bonus from each batch's entropy (when off:
         # scale 1, the bonus at --loss.entropy_coef)
-        self.rollout_fn = get_rollout(cfg.rollout.function)  # --rollout.function: how prompts become samples
+        # --rollout.function: how prompts become samples; None for one with a group coroutine only (python_tool),
+        # which runs streamed, its final evaluation too (StreamProducer.groups_after_run)
+        name = cfg.rollout.function
+        self.rollout_fn = get_rollout(name) if has_batch_form(name) else None
+        self.tools: ToolPool | None = None  # the sandbox pool, when the rollout function runs tool calls
         self.entropy_ctl = EntropyController(
             cfg.entropy, base_bonus=cfg.loss.entropy_coef, has_knob=bool(get_objective(cfg.loss.type).knobs)
         )
@@ -87,6 +93,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         t0 = time.time()
         self.rollout = RolloutGroup.from_config(cfg, self.model_path)
         self.reward = RewardGroup.from_config(cfg, self.model_path)
+        self.tools = ToolPool.from_config(cfg) if cfg.uses_tools else None  # fails closed: see tools/pool.py
         self.reference: ReferenceGroup | AdapterOffReference | None = None
         if cfg.starts_reference_group:
             self.reference = ReferenceGroup(cfg, self.model_path, local=local)
@@ -112,7 +119,7 @@ class Trainer(Checkpointing, NodeLossHandling):
         return actor_node_ids(groups)
 
     def shutdown_groups(self) -> None:
-        for name in ("rollout", "reward", "policy", "reference"):
+        for name in ("rollout", "reward", "tools", "policy", "reference"):
             group = getattr(self, name, None)
             if group is not None:
                 try:
@@ -160,6 +167,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 s.reward += penalty
                 s.reward_info["overlong_penalty"] = penalty
             reward_metrics["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        reward_metrics.update(apply_error_penalty(samples, cfg.tools.error_penalty))  # tool episodes only
         return samples, reward_metrics
 
     def _make_batch(self, step: int) -> Batch:
@@ -208,7 +216,10 @@ class Trainer(Checkpointing, NodeLossHandling):
                 return
             self.evaluated.add(version)
             t0 = time.time()
-            engines = ThroughRolloutFunction(self.rollout_fn, self.rollout, cfg.rollout.function)
+            if self.rollout_fn is None:  # streamed only: the producer's group coroutines, in a loop of their own
+                engines = self.streamer.groups_after_run()
+            else:
+                engines = ThroughRolloutFunction(self.rollout_fn, self.rollout, cfg.rollout.function)
             result = evaluate(engines, self.reward, self.test_items, cfg)  # prepare() cut each test set
         result["time/eval"] = time.time() - t0
         with self._eval_lock:
@@ -269,6 +280,7 @@ class Trainer(Checkpointing, NodeLossHandling):
                 staleness=0 if step is None else step - s.policy_version,
                 token_staleness=[step - v for v in s.token_versions] if step is not None and s.token_versions else None,
                 data_source=(s.data_source or "default") if mixed else "",
+                token_turns=s.token_turns,
             )
             for s, a in zip(flat, adv)
         ]

@@ -3,8 +3,9 @@
 In `--rollout.mode batch` the trainer asks the function named by `--rollout.function` for one group of samples per
 prompt of a batch; in `stream` and `partial` mode it runs that name's per-group coroutine for each prompt, many at
 once, over the streaming engines (engines.py). The default, `single_turn`, is one generation per response, in both
-forms. A new way of rolling out (multi-turn with tools) is a function registered here or named by its import path,
-with nothing else in the trainer to change:
+forms; `python_tool` (python_tool.py) is a multi-turn episode that runs the policy's Python in the sandbox, streamed
+only. A new way of rolling out is a function registered here or named by its import path, with nothing else in the
+trainer to change:
 
     from entropy_openrlhf.rollouts import GroupRequest, register_group_rollout
 
@@ -27,9 +28,11 @@ from entropy_openrlhf.rollouts.base import (
     check_groups,
     get_group_rollout,
     get_rollout,
+    has_batch_form,
     register_group_rollout,
     register_rollout,
 )
+from entropy_openrlhf.rollouts.python_tool import ToolSession, python_tool_group
 from entropy_openrlhf.rollouts.single_turn import single_turn, single_turn_group
 
 __all__ = [
@@ -42,9 +45,12 @@ __all__ = [
     "RolloutRequest",
     "ThroughRolloutFunction",
     "TokenEngines",
+    "ToolSession",
     "check_groups",
     "get_group_rollout",
     "get_rollout",
+    "has_batch_form",
+    "python_tool_group",
     "register_group_rollout",
     "register_rollout",
     "single_turn",

@@ -13,7 +13,7 @@ import difflib
 import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from entropy_openrlhf.actors.engine_stream import TokenRequest, TokenResult
 from entropy_openrlhf.samples import PromptItem, Sample
@@ -69,7 +69,10 @@ class GroupRequest:
     top_p: float
     max_new_tokens: int
     seed: int | None  # the group's: its j-th response is seeded seed + j (what vLLM gives an n-sample request)
-    tag: str  # unique among the requests in flight (a request id is f"{tag}-{j}")
+    tag: str  # unique among the requests in flight (a request id is f"{tag}-{j}", or begins so)
+    # what a multi-turn rollout needs beyond the engines: python_tool's ToolSession (the sandbox pool, the tokenizer,
+    # --tools.*), which the trainer gives runs whose rollout function uses tools; None otherwise
+    tools: Any = None
 
 
 # A group rollout: one prompt's n samples, as a coroutine over the streaming engines. Many run at once.
@@ -102,6 +105,13 @@ def get_group_rollout(name: str) -> GroupRolloutFn:
     return GROUP_ROLLOUTS[name]
 
 
+def has_batch_form(name: str) -> bool:
+    """Whether `--rollout.function name` has a batch rollout function (`--rollout.mode batch`, and evaluation outside
+    the streaming producer): a registered one or an import path. A name with only a group coroutine
+    (python_tool) runs streamed only."""
+    return name in ROLLOUTS or ":" in name
+
+
 def register_rollout(name: str) -> Callable[[RolloutFn], RolloutFn]:
     """Decorator: registers a rollout function under `name` (the value of `--rollout.function`)."""
 
@@ -126,6 +136,11 @@ def get_rollout(name: str) -> RolloutFn:
         if not callable(fn):
             raise ValueError(f"--rollout.function {name}: {attr} is not a function")
         return fn
+    if name not in ROLLOUTS and name in GROUP_ROLLOUTS:
+        raise ValueError(
+            f"--rollout.function {name!r}: {name} runs in --rollout.mode stream or partial only (its episodes need "
+            "the token-in/token-out streaming engines); give --rollout.mode stream"
+        )
     if name not in ROLLOUTS:
         close = difflib.get_close_matches(name, list(ROLLOUTS), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""

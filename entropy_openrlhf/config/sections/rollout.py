@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
-from entropy_openrlhf.rollouts import ROLLOUTS, get_group_rollout, get_rollout
+from entropy_openrlhf.rollouts import GROUP_ROLLOUTS, ROLLOUTS, get_group_rollout, get_rollout
 
 ROLLOUT_MODES = ("batch", "stream", "partial")
 
@@ -53,8 +53,10 @@ class RolloutConfig(Section):
     function: str = _f(
         "single_turn",
         "how a batch of prompts becomes groups of responses: a registered rollout function ("
-        + " | ".join(ROLLOUTS)
-        + ") or package.module:function (entropy_openrlhf/rollouts)",
+        + " | ".join(
+            [*ROLLOUTS, *(f"{name} (stream and partial mode)" for name in GROUP_ROLLOUTS if name not in ROLLOUTS)]
+        )
+        + ") or package.module:function (entropy_openrlhf/rollouts; docs/guides/tools.md for python_tool)",
     )
     mode: str = _f(
         "batch",
@@ -75,9 +77,10 @@ class RolloutConfig(Section):
     def checks(self) -> list[str]:
         gmu, tp = self.gpu_memory_utilization, self.tensor_parallel_size
         try:
-            get_rollout(self.function)
             function_error = ""
-            if self.mode != "batch":
+            if self.mode == "batch":
+                get_rollout(self.function)
+            else:  # the group coroutine; a batch form is optional (python_tool has none)
                 get_group_rollout(self.function)
         except ValueError as e:
             function_error = str(e).removeprefix(f"--rollout.function {self.function!r}: ")
