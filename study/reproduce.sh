@@ -150,8 +150,9 @@ run_one() {  # run_one RUN METHOD FLAGS...: one pipeline run into $OUT/RUN, resu
     fi
     if [[ -z "${REPRO_FORCE:-}" ]] && compgen -G "$OUT/$run/checkpoints/step*" >/dev/null; then
         if [[ $run == async_* ]]; then
-            # the asynchrony experiment's runs are unbroken: a resumed streaming run skips the prompts that were in
-            # flight (docs/guides/streaming.md), and every arm of the experiment is treated alike
+            # the asynchrony experiment's runs are unbroken: a resumed streaming run rolls the prompts that were in
+            # flight out again from the checkpoint's weights (docs/guides/streaming.md), so it is not the run an
+            # unbroken one would have been, and every arm of the experiment is treated alike
             echo "== $run: stopped part-way earlier; the asynchrony experiment's runs start again from step 0"
         else
             resume=(--train.resume true)
