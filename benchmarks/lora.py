@@ -10,6 +10,7 @@ share the machine and its load; each run starts and stops its own Ray.
 - `lora_merged`: `--actor.lora_rank 32 --sync.method collective`: the merged weights, as full fine-tuning sends;
 - `ref_auto`: `--ref.enabled auto` (the default: the demo has no KL term, so no reference group starts);
 - `ref_on`: `--ref.enabled true`: a reference group starts and computes reference log-probs every step.
+- `zero0`: `--actor.zero_stage 0`, against `full`'s ZeRO-2 (on the demo's one policy rank ZeRO-2 partitions nothing).
 
 Per arm: the peak over the run of the whole cluster's summed PSS and of the policy's, the engines' and (where one
 starts) the reference's; the mean over steps 2..N of `time/step`, `time/train_actor`, `time/rollout`,
@@ -55,6 +56,7 @@ ARMS: dict[str, list[str]] = {
     "lora_merged": ["--actor.lora_rank", "32", "--sync.method", "collective"],
     "ref_auto": ["--ref.enabled", "auto"],
     "ref_on": ["--ref.enabled", "true"],
+    "zero0": ["--actor.zero_stage", "0"],  # one rank: ZeRO-2's flat copies against none (benchmarks.md)
 }
 # (row label, where the figure comes from, what): "peak" a memory group's peak PSS ("cluster": the whole run's),
 # "mean" a metric's mean over the steps after the first, "last" the last step's value. A row no arm has is left out.
