@@ -169,8 +169,8 @@ def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(hea
         [str(ROOT / ".venv/bin/ray"), "job", "submit", "--no-wait", "--submission-id", job_id,
          "--address", f"http://127.0.0.1:{DASH}", "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env),
          "--", "python", "pipelines/sapo.py", "--preset", "smoke", "--train.output_dir", str(out_dir),
-         "--train.num_steps", "50", "--train.save_every", "1"],  # far more steps than it gets to run (SAPO: the
-        # objective's pipeline as a job)
+         "--train.num_steps", "50", "--train.save_every", "1", "--rollout.mode", "partial"],  # far more steps than
+        # it gets to run; SAPO's pipeline and partial rollouts as a job
         cwd=ROOT, env=head, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
@@ -200,7 +200,7 @@ def test_sigterm_from_ray_job_stop_shuts_the_job_down_and_says_how_to_resume(hea
     assert re.search(r"newest complete checkpoint: \S+/checkpoints/step\d+ ", stop_line), stop_line
     command = lines[lines.index(stop_line) + 1].strip()
     assert command.startswith("ray job submit <your options> -- python pipelines/sapo.py --preset smoke")
-    assert command.endswith("--train.num_steps 50 --train.save_every 1 --train.resume true"), command
+    assert command.endswith("--train.save_every 1 --rollout.mode partial --train.resume true"), command
     assert all(p.name.startswith("step") for p in (out_dir / "checkpoints").iterdir())  # no .tmp-step<N>
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all("loss/sapo_gate_mean" in m for m in metrics)  # SAPO trained the steps it ran

@@ -6,7 +6,8 @@ for its checkpoints. The driver must end within STOP_BOUND_S with exit code 143,
 started down, leave no `.tmp-step<N>` folder and only complete checkpoints, and print the command that resumes;
 that command, run as printed, continues from the newest checkpoint to the end.
 
-The run streams partial rollouts one version ahead (`--rollout.mode partial --async.max_staleness 1`), so the
+The run streams partial rollouts one version ahead (`--rollout.mode partial --async.max_staleness 1`, over the
+object-store sync), so the
 checkpoint holds prompts drawn and not yet trained (`open_prompts`), which the resumed run rolls out again first
 (the bookkeeping, prompt by prompt: tests/unit/test_stream_resume.py). A batch-mode run's resume is
 tests/integration/test_resume.py's.
@@ -47,7 +48,9 @@ def ray_tmp():
 def test_sigterm_mid_save_stops_cleanly_and_prints_the_command_that_resumes(tmp_path, ray_tmp):
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
-    streaming = ("--rollout.mode", "partial", "--async.max_staleness", "1")
+    # over the object-store sync: the partial-rollout tests of tests/integration/test_streaming_pipeline.py run the
+    # collective and the adapter syncs
+    streaming = ("--rollout.mode", "partial", "--async.max_staleness", "1", "--sync.method", "object_store")
     proc = start_job(out, ray_tmp, "--train.num_steps", "3", "--train.save_every", "1", *streaming)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
