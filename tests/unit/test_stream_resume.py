@@ -29,9 +29,9 @@ def no_tokenizer(monkeypatch):
     monkeypatch.setattr(streaming.AutoTokenizer, "from_pretrained", lambda path: None)
 
 
-def trainer(tmp_path, *flags: str) -> Trainer:
+def trainer(tmp_path, *flags: str, mode: str = "partial") -> Trainer:
     cfg = from_args(
-        ["--train.output_dir", str(tmp_path), "--train.num_steps", "10", "--rollout.mode", "partial",
+        ["--train.output_dir", str(tmp_path), "--train.num_steps", "10", "--rollout.mode", mode,
          "--rollout.batch_size", "2", "--async.max_staleness", "1", *flags]
     )  # fmt: skip
     t = Trainer(cfg, "unused", ITEMS, [])
@@ -57,8 +57,9 @@ def positions(drawn) -> list[int]:
     return [ITEMS.index(item) for _, _, item in drawn]
 
 
-def test_a_save_lists_the_prompts_drawn_and_not_trained_and_a_resume_rolls_them_out_first(tmp_path):
-    t = trainer(tmp_path)
+@pytest.mark.parametrize("mode", ["stream", "partial"])  # one producer for both: their syncs differ, not this
+def test_a_save_lists_the_prompts_drawn_and_not_trained_and_a_resume_rolls_them_out_first(tmp_path, mode):
+    t = trainer(tmp_path, mode=mode)
     p = t.streamer = producer(t)
     drawn = [p._draw() for _ in range(6)]  # 6 of the 7 prompts, in the stream's (shuffled) order
     order = positions(drawn)
@@ -82,7 +83,7 @@ def test_a_save_lists_the_prompts_drawn_and_not_trained_and_a_resume_rolls_them_
     assert all(epoch == 0 for epoch, _ in state["open_prompts"])
     assert (state["stream_epoch"], state["stream_offset"]) == (0, 6)  # past every prompt drawn, open ones included
 
-    t2 = trainer(tmp_path, "--train.resume", "true")
+    t2 = trainer(tmp_path, "--train.resume", "true", mode=mode)
     assert t2.resume() == 1
     p2 = producer(t2)
     again = [p2._draw() for _ in range(5)]
