@@ -37,6 +37,7 @@ class _Engine:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     recovering: asyncio.Task | None = None  # one recovery at a time: its sender and its fetcher both see a death
     incarnation: int = 0  # recoveries so far: a call made before the last one failed with the process it went to
+    polling: Any = None  # the poll call in flight (an ObjectRef): closing waits for it (StreamEngines.__aexit__)
 
 
 class StreamEngines:
@@ -61,6 +62,14 @@ class StreamEngines:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for engine in self.engines:
+            # a poll still running in the engine would take the results of whoever sends requests next (another
+            # StreamEngines, within POLL_S): wait for it to answer; what it brings back was this client's
+            if engine.polling is not None:
+                try:
+                    await asyncio.wait_for(engine.polling, timeout=POLL_S + ANSWER_S)
+                except Exception as e:  # noqa: BLE001 - closing; an engine that is gone holds nothing
+                    log.warning("closing the streaming engines: the last poll failed: %s", e)
         for engine in self.engines:  # nothing waits for them any more: free the engines
             if engine.waiting:
                 try:
@@ -115,11 +124,15 @@ class StreamEngines:
                 continue
             asked = engine.incarnation
             try:
-                results = await asyncio.wait_for(engine.actor.poll.remote(POLL_S), timeout=POLL_S + ANSWER_S)
+                engine.polling = engine.actor.poll.remote(POLL_S)
+                results = await asyncio.wait_for(engine.polling, timeout=POLL_S + ANSWER_S)
+                engine.polling = None
             except ray.exceptions.RayActorError as e:
+                engine.polling = None
                 await self._recover(i, f"died while generating ({type(e).__name__})", asked)
                 continue
             except asyncio.TimeoutError:
+                engine.polling = None
                 if asked == engine.incarnation:
                     ray.kill(engine.actor, no_restart=False)  # a hang becomes a death, which Ray restarts
                 await self._recover(i, f"did not answer a poll within {POLL_S + ANSWER_S:.0f} s", asked)
