@@ -64,8 +64,13 @@ def load_prompts(
                     f"{path}: {where}: field '{input_key}': a chat message list needs data.apply_chat_template=true"
                 )
             messages = [dict(m) for m in prompt]
+            # a list that ends with an assistant message starts the response: the template leaves that turn open
+            # and generation continues it (a prefill, e.g. a tool call the episode runs first: docs/guides/tools.md)
+            prefilled = bool(prompt) and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant"
             try:
-                prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                prompt = tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=not prefilled, continue_final_message=prefilled, tokenize=False
+                )
             except Exception as e:  # a template may reject a role order; name the row
                 raise DatasetError(
                     f"{path}: {where}: field '{input_key}': chat template failed: {_first_line(e)}"

@@ -5,14 +5,16 @@ or end-of-sequence; the call runs in the sandbox pool (tools/pool.py, which neve
 output comes back as a tool turn; generation goes on from there. At most `--tools.max_turns` calls are made, the
 generation after the last one without the stop string, and the response, policy and tool turns together, stays within
 `--tools.max_total_tokens` (0: `--rollout.max_new_tokens`). An episode whose next tool turn would not fit ends there,
-cut (`finish_reason` "length", so `--loss.mask_truncated` applies to it).
+cut (`finish_reason` "length", so `--loss.mask_truncated` applies to it). A prompt that itself ends with a tool call
+(a chat prompt whose last message is an assistant turn holding one: the dataset's prefill) has that call run before
+the first generation; it counts as a call, and the policy's first tokens, after its output, are turn 2.
 
 Token in, token out: every request is the prompt's ids plus the response's ids so far, exactly as sampled; only the
 tool turns are tokenised. The sample's `response_mask` is 1 on the policy's tokens and 0 on every tool-turn token,
 delimiters included; `rollout_log_probs` is 0.0 on the masked tokens (nothing reads it there: the mask takes them out
 of the loss, the covariance selection, the off-policy weights and every metric), and `token_versions` repeats the
-version of the policy token before them. `token_turns` numbers the policy's turns (1, 2, ...; 0 on tool tokens), for
-the per-turn entropy metrics.
+version of the policy token before them (after them, for a prefilled call's output). `token_turns` numbers the
+policy's turns (1, 2, ...; 0 on tool tokens), for the per-turn entropy metrics.
 
 What the verifier judges is the final answer: `response` is the text of the policy's last turn. The whole episode,
 decoded with its special tokens, is `metadata["transcript"]`, and its counts are `metadata["tool_episode"]` (a
@@ -87,7 +89,26 @@ async def _episode(
     turns: list[int] = []
     counts = {"calls": 0, "errors": 0, "timeouts": 0, "seconds": 0.0, "turns": 1, "tool_tokens": 0}
     turn, part, stale, text, finish = 1, 0, 0, "", "length"
+    # a prompt that ends with a tool call (an assistant turn the dataset started, a prefill) has it run first
+    code, ended_with = tool_call(prompt.prompt), None
     while True:
+        if code is not None:
+            result = await session.pool.run(code)
+            counts["calls"] += 1
+            counts["errors"] += not result.ok
+            counts["timeouts"] += result.timed_out
+            counts["seconds"] += result.seconds
+            tool = session.turns.ids(observation(result), chat=chat, ended_with=ended_with)
+            if len(ids) + len(tool) >= budget:  # no room for the output and a token after it
+                finish = "length"
+                break
+            ids += tool
+            mask += [0] * len(tool)
+            log_probs += [0.0] * len(tool)
+            versions += [-1] * len(tool)  # a tool token's version is its neighbour's (below)
+            turns += [0] * len(tool)
+            counts["tool_tokens"] += len(tool)
+            turn, text, code = turn + 1, "", None
         room = budget - len(ids)
         if session.max_model_len:
             room = min(room, session.max_model_len - len(request.prompt_token_ids) - len(ids))
@@ -124,25 +145,9 @@ async def _episode(
             if at_fence:
                 continue  # a fence that closed something else: the same turn goes on
             break  # end of sequence with no call: the final answer
-        result = await session.pool.run(code)
-        counts["calls"] += 1
-        counts["errors"] += not result.ok
-        counts["timeouts"] += result.timed_out
-        counts["seconds"] += result.seconds
         ended_with = None if at_fence else tok.decode(r.token_ids[-1:], skip_special_tokens=False)
-        tool = session.turns.ids(observation(result), chat=chat, ended_with=ended_with)
-        if len(ids) + len(tool) >= budget:  # no room for the output and a token after it
-            finish = "length"
-            break
-        ids += tool
-        mask += [0] * len(tool)
-        log_probs += [0.0] * len(tool)
-        versions += [versions[-1] if versions else 0] * len(tool)
-        turns += [0] * len(tool)
-        counts["tool_tokens"] += len(tool)
-        turn += 1
-        text = ""
     counts["turns"] = max(turns, default=1)  # the policy's turns that hold a token
+    versions = _neighbour_versions(versions)
     transcript = tok.decode(ids, skip_special_tokens=False)
     counts["drift"] = tok(transcript, add_special_tokens=False)["input_ids"] != ids
     return Sample(
@@ -153,7 +158,7 @@ async def _episode(
         response_token_ids=ids,
         rollout_log_probs=log_probs,
         label=prompt.label,
-        policy_version=min((v for v, m in zip(versions, mask) if m), default=0),
+        policy_version=min((v for v, m in zip(versions, mask) if m), default=min(versions, default=0)),
         finish_reason=finish,
         data_source=prompt.data_source,
         metadata={**prompt.metadata, "tool_episode": counts, "transcript": transcript},
@@ -163,6 +168,18 @@ async def _episode(
         stale_kv_tokens=stale,
         token_turns=turns,
     )
+
+
+def _neighbour_versions(versions: list[int]) -> list[int]:
+    """Each tool token (-1) given the version of the policy token before it, or after it where none is before (a
+    prefilled call's output): so that a tool turn neither lowers a sample's version nor adds an age of its own."""
+    known = [v for v in versions if v >= 0]
+    last = known[0] if known else 0
+    out = []
+    for v in versions:
+        last = v if v >= 0 else last
+        out.append(last)
+    return out
 
 
 def tool_metrics(samples: list[Sample]) -> dict[str, float]:

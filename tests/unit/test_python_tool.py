@@ -66,11 +66,11 @@ def ok(stdout: str, seconds: float = 0.25) -> SandboxResult:
     return SandboxResult(stdout, "", 0, False, False, seconds)
 
 
-def roll(tokenizer, turns, pool, *, n=1, max_new=200, max_turns=4, max_total=0, messages=MESSAGES):
+def roll(tokenizer, turns, pool, *, n=1, max_new=200, max_turns=4, max_total=0, messages=MESSAGES, text="<prompt>"):
     engines = Engines(tokenizer, turns)
     session = ToolSession(pool, tokenizer, max_turns=max_turns, max_total_tokens=max_total)
     prompt_ids = [1, 7, 8]
-    prompt = PromptItem(3, "<prompt>", "1517", metadata={"level": 2}, messages=messages)
+    prompt = PromptItem(3, text, "1517", metadata={"level": 2}, messages=messages)
     request = GroupRequest(prompt_ids, n, 1.0, 1.0, max_new, 100, "g0p3", tools=session)
     samples = asyncio.run(get_group_rollout("python_tool")(engines, prompt, request))
     return samples, engines
@@ -129,6 +129,19 @@ def test_a_closed_block_before_end_of_sequence_is_a_call_and_the_close_is_not_re
     assert first[-1] == tokenizer.eos_token_id
     tool = s.response_token_ids[len(first) : len(first) + s.response_mask[len(first) :].index(1)]
     assert tokenizer.decode(tool) == "\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_prompt_that_ends_with_a_call_has_it_run_first(tokenizer):
+    """A prefill: the dataset's last message is an assistant turn holding a call (the prompt text ends with it)."""
+    pool = Pool(ok("1517"))
+    text = "<|im_start|>user\nWhat is 37 * 41?<|im_end|>\n<|im_start|>assistant\n" + CALL
+    (s,), engines = roll(tokenizer, [("\\boxed{1517}", True)], pool, text=text)
+    assert pool.codes == ["print(37 * 41)"] and len(engines.requests) == 1
+    tool = ToolTurns(tokenizer).ids("1517", chat=True)
+    assert s.response_token_ids == tool + engines.sampled[0] and s.response_mask[: len(tool)] == [0] * len(tool)
+    assert set(s.token_turns[len(tool) :]) == {2} and s.metadata["tool_episode"]["turns"] == 2
+    assert s.token_versions == [3] * len(s.response_token_ids)  # the tool tokens take the next policy token's
+    assert s.policy_version == 3
 
 
 def test_non_canonical_sampled_ids_are_kept_and_counted_as_drift(tokenizer):
