@@ -133,6 +133,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "loss.kl_cov.ratio": 0.02,
         "loss.clip_cov.ratio": 0.02,
     },
+    # Tool rollouts on the tiny model, 2 steps: the sandbox pool, multi-turn episodes streamed, tool turns masked out
+    # of the loss (docs/guides/tools.md). A random model never writes a code block itself, so each prompt's answer
+    # starts with the call that computes it (arith_tools_prefilled): every episode runs one call in the sandbox, and
+    # its policy tokens come after the tool's output. CI runs it on CPU, like smoke.
+    "tool-smoke": {
+        "model.pretrain": "tiny",
+        "rollout.function": "python_tool",
+        "rollout.mode": "stream",
+        "data.builtin_task": "arith_tools_prefilled",
+        "data.builtin_levels": "4",
+        "rollout.batch_size": 2,
+        "rollout.n_samples_per_prompt": 4,
+        "rollout.max_new_tokens": 24,
+        "rollout.max_model_len": 1024,
+        "tools.max_total_tokens": 48,
+        "tools.num_workers": 2,
+        "train.num_steps": 2,
+        "train.mini_batches": 2,
+        "actor.micro_batch_size": 4,
+        "actor.lr": 1e-4,
+        "reward.num_workers": 1,
+        "logger.sample_table_every": 1,
+        "loss.kl_cov.ratio": 0.02,
+        "loss.clip_cov.ratio": 0.02,
+    },
     # The GPU preflight (scripts/gpu_preflight.sh): each GPU path once, on 4 GPUs of one node, in minutes. A small
     # real model comes with --pretrain (Qwen2.5-0.5B-Instruct: its 14 query and 2 KV heads split over TP 2).
     "gpu-smoke": {

@@ -29,6 +29,7 @@ from entropy_openrlhf.cluster_fit import check_nodes, cluster_snapshot, fit_clus
 from entropy_openrlhf.config import Config, ConfigError, validate
 from entropy_openrlhf.data.arith_task import write_builtin_task
 from entropy_openrlhf.data.dataset import DatasetError, load_prompts, validate_dataset
+from entropy_openrlhf.data.tool_task import write_tool_task
 from entropy_openrlhf.models.smollm2 import MODEL_NAME, ensure_smollm2
 from entropy_openrlhf.models.tiny import make_tiny_model
 from entropy_openrlhf.pipeline.checkpoints import latest_checkpoint, resume_point
@@ -66,9 +67,15 @@ def resolve_data(cfg: Config, need_train: bool = True) -> tuple[str, list[str]]:
     train = cfg.data.train
     tests = [p.strip() for p in cfg.data.test.split(",") if p.strip()]
     if not train and (need_train or not tests):
-        train, builtin_test = write_builtin_task(
-            Path(cfg.train.output_dir) / "data", seed=cfg.train.seed, levels=cfg.data.levels()
-        )
+        out, task = Path(cfg.train.output_dir) / "data", cfg.data.builtin_task
+        if task == "auto":  # a tool rollout gets the prompt that shows its call format
+            task = "arith_tools" if cfg.uses_tools else "arith"
+        if task == "arith":
+            train, builtin_test = write_builtin_task(out, seed=cfg.train.seed, levels=cfg.data.levels())
+        else:
+            train, builtin_test = write_tool_task(
+                out, seed=cfg.train.seed, levels=cfg.data.levels(), prefill=task == "arith_tools_prefilled"
+            )
         if tests and (cfg.data.input_key, cfg.data.label_key) != ("prompt", "label"):
             raise ConfigError(
                 f"--data.test given without --data.train: training would use the built-in task, whose rows have the "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import Section, _failed
 from entropy_openrlhf.data.arith_task import LEVELS
+from entropy_openrlhf.data.tool_task import TASKS
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
 
 
@@ -37,6 +38,14 @@ class DataConfig(Section):
     shuffle: bool = _f(True, "shuffle the training prompts each epoch (seeded)")
     builtin_levels: str = _f(
         "1,2,3", "levels of the built-in task's problems, comma-separated, from 1-4 (level 4 starts near 0 reward)"
+    )
+    builtin_task: str = _f(
+        "auto",
+        "the built-in task's prompts: arith (worked examples, answer boxed) | arith_tools (the call format of "
+        "--rollout.function python_tool shown, examples with tool turns) | arith_tools_prefilled (the same, each "
+        "prompt's answer started with the call that computes it: smoke tests of tool rollouts) | auto (arith_tools "
+        "when the rollout function runs tools, else arith): {choices} (docs/guides/tools.md)",
+        choices=("auto", *TASKS),
     )
 
     def checks(self) -> list[str]:
