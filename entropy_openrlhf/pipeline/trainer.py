@@ -74,13 +74,11 @@ class Trainer(Checkpointing, NodeLossHandling):
         self.eval_results: list[tuple[int, dict[str, float]]] = []  # (version, metrics), not yet logged
         self.evaluated: set[int] = set()  # versions evaluated in this run, whatever was logged since
         self._eval_lock = threading.Lock()  # the producer appends to eval_results, the trainer thread takes them
+        # --rollout.function: how prompts become samples (None: a group coroutine only, streamed: python_tool)
+        self.rollout_fn = get_rollout(cfg.rollout.function) if has_batch_form(cfg.rollout.function) else None
+        self.tools: ToolPool | None = None  # the sandbox pool, when the rollout function runs tool calls
         # --entropy.target: moves the objective's knob and the entropy bonus from each batch's entropy (when off:
         # scale 1, the bonus at --loss.entropy_coef)
-        # --rollout.function: how prompts become samples; None for one with a group coroutine only (python_tool),
-        # which runs streamed, its final evaluation too (StreamProducer.groups_after_run)
-        name = cfg.rollout.function
-        self.rollout_fn = get_rollout(name) if has_batch_form(name) else None
-        self.tools: ToolPool | None = None  # the sandbox pool, when the rollout function runs tool calls
         self.entropy_ctl = EntropyController(
             cfg.entropy, base_bonus=cfg.loss.entropy_coef, has_knob=bool(get_objective(cfg.loss.type).knobs)
         )
