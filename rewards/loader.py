@@ -33,6 +33,7 @@ from rewards.deadline import CheckTimeout, call_with_deadline
 BUILTINS = {
     "math": "rewards.math:math_verifier",
     "countdown": "rewards.examples.countdown:countdown_verifier",
+    "agent": "rewards.agent:agent_reward",  # an OpenRLHF agent file's own reward (--rollout.function openrlhf_agent)
 }
 OPENRLHF_FUNCTION = "reward_func"
 VERL_PARAMETERS = frozenset({"data_source", "solution_str", "ground_truth", "extra_info"})  # verl's compute_score

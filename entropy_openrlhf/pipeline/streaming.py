@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from entropy_openrlhf.actors.engine_settings import prompt_seed
 from entropy_openrlhf.pipeline.batches import Batch, merge_reward_metrics
 from entropy_openrlhf.pipeline.evaluation import evaluate
-from entropy_openrlhf.rollouts import GroupRequest, ToolSession, check_groups, get_group_rollout
+from entropy_openrlhf.rollouts import GroupRequest, check_groups, get_group_rollout, group_session
 from entropy_openrlhf.rollouts.base import RolloutRequest
 from entropy_openrlhf.rollouts.engines import StreamEngines, engine_idle_frac, read_stream_stats
 from entropy_openrlhf.samples import PromptItem, Sample
@@ -69,9 +69,9 @@ class StreamProducer:
         self.group_fn = get_group_rollout(cfg.rollout.function)
         self.tokenizer = AutoTokenizer.from_pretrained(trainer.model_path)
         self.token_ids: dict[int, list[int]] = {}  # by prompt index: each prompt is tokenised once
-        # a tool rollout's sandbox pool, tokenizer and limits, in every group request (rollouts/python_tool.py)
-        pool = getattr(trainer, "tools", None)
-        self.tools = ToolSession.from_config(cfg, pool, self.tokenizer) if cfg.uses_tools else None
+        # a multi-turn rollout's session (python_tool's sandbox pool and limits, openrlhf_agent's agent class), in
+        # every group request
+        self.tools = group_session(cfg, getattr(trainer, "tools", None), self.tokenizer)
         # scored groups, in the order they finished, each with its key and reward metrics
         self.buffer: list[tuple[int, list[Sample], dict[str, float]]] = []
         # the prompts drawn and not yet trained (key: the order they were drawn in), as (epoch, position in the

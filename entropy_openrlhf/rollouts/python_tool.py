@@ -3,11 +3,12 @@
 One episode per sample. The engine generates until the end of a tool call (a fenced ```python block, tool_turns.py)
 or end-of-sequence; the call runs in the sandbox pool (tools/pool.py, which never raises for what the code does); its
 output comes back as a tool turn; generation goes on from there. At most `--tools.max_turns` calls are made, the
-generation after the last one without the stop string, and the response, policy and tool turns together, stays within
-`--tools.max_total_tokens` (0: `--rollout.max_new_tokens`). An episode whose next tool turn would not fit ends there,
-cut (`finish_reason` "length", so `--loss.mask_truncated` applies to it). A prompt that itself ends with a tool call
-(a chat prompt whose last message is an assistant turn holding one: the dataset's prefill) has that call run before
-the first generation; it counts as a call, and the policy's first tokens, after its output, are turn 2.
+generation after the last one without the stop string; each generation is at most `--rollout.max_new_tokens`, and the
+response, policy and tool turns together, stays within `--tools.max_total_tokens` (0: `--rollout.max_new_tokens`).
+An episode whose next tool turn would not fit ends there, cut (`finish_reason` "length", so `--loss.mask_truncated`
+applies to it). A prompt that itself ends with a tool call (a chat prompt whose last message is an assistant turn
+holding one: the dataset's prefill) has that call run before the first generation; it counts as a call, and the
+policy's first tokens, after its output, are turn 2.
 
 Token in, token out: every request is the prompt's ids plus the response's ids so far, exactly as sampled; only the
 tool turns are tokenised. The sample's `response_mask` is 1 on the policy's tokens and 0 on every tool-turn token,
@@ -109,7 +110,7 @@ async def _episode(
             turns += [0] * len(tool)
             counts["tool_tokens"] += len(tool)
             turn, text, code = turn + 1, "", None
-        room = budget - len(ids)
+        room = min(request.max_new_tokens, budget - len(ids))  # per generation, and what the episode has left
         if session.max_model_len:
             room = min(room, session.max_model_len - len(request.prompt_token_ids) - len(ids))
         if room <= 0:

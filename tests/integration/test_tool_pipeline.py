@@ -70,3 +70,40 @@ def test_tool_smoke_trains_with_sandboxed_calls_masked_out(ray_cluster, tmp_path
     # evaluation runs the same episodes: the final weights' too, after the producer's loop has ended
     evals = [h for h in history if "eval/acc" in h]
     assert evals and evals[-1]["eval/policy_version"] == 2 and evals[-1]["eval/response_len"] > 0
+
+
+def test_an_openrlhf_agent_file_trains_as_it_is(ray_cluster, tmp_path):
+    """rewards/examples/openrlhf_agent_retry.py, written against OpenRLHF's interface only: its feedback masked,
+    its rewards the samples' through --reward.verifier agent."""
+    agent = str(Path(__file__).parents[2] / "rewards" / "examples" / "openrlhf_agent_retry.py")
+    cfg = from_args(
+        ["--preset", "tool-smoke", "--train.output_dir", str(tmp_path), "--rollout.function", "openrlhf_agent",
+         "--rollout.agent_file", agent, "--reward.verifier", "agent", "--data.builtin_task", "arith",
+         "--tools.max_total_tokens", "96"],  # room for the feedback: ~30 of the tiny tokenizer's tokens
+        PIPELINES["grpo"],
+    )  # fmt: skip
+    assert not cfg.uses_tools  # no sandbox pool: the agent is the user's code
+    model_path, train_items, test_items = prepare(cfg)
+    trainer = Trainer(cfg, model_path, train_items, test_items)
+    trained = []
+    take = trainer._train_samples
+
+    def spy(batch, step=None):
+        trained.append([s for g in batch.groups for s in g])
+        return take(batch, step)
+
+    trainer._train_samples = spy
+    trainer.start_groups()
+    try:
+        history = trainer.run()
+    finally:
+        trainer.shutdown_groups()
+    assert [h["step"] for h in history] == [0, 1]
+    samples = [s for batch in trained for s in batch]
+    # a random model is never right: every episode took both tries, the feedback between them masked
+    retried = [s for s in samples if 0 in s.response_mask]
+    assert retried and all(s.metadata["agent_logs"]["tries"] == 2.0 for s in retried)
+    assert all(s.reward == s.metadata["agent_reward"] for s in samples)
+    for h in history:
+        assert h["reward/mean"] == pytest.approx(0.0, abs=0.5) and "entropy/turn2/seq_mean" in h
+        assert_documented(k for k in h if k != "step")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from entropy_openrlhf.config.base import _CUSTOM_HELP, Section, _custom_resource_errors, _failed, _ray_amount_errors
 from entropy_openrlhf.options import option as _f  # short: every field below uses it
-from entropy_openrlhf.rollouts import GROUP_ROLLOUTS, ROLLOUTS, get_group_rollout, get_rollout
+from entropy_openrlhf.rollouts import GROUP_ROLLOUTS, ROLLOUTS, get_group_rollout, get_rollout, load_agent
 
 ROLLOUT_MODES = ("batch", "stream", "partial")
 
@@ -58,6 +58,10 @@ class RolloutConfig(Section):
         )
         + ") or package.module:function (entropy_openrlhf/rollouts; docs/guides/tools.md for python_tool)",
     )
+    agent_file: str = _f(
+        "", "--rollout.function openrlhf_agent: the OpenRLHF agent file (an AgentInstance with async reset/step) whose "
+        "episodes it runs (docs/guides/tools.md)",
+    )  # fmt: skip
     mode: str = _f(
         "batch",
         "batch: each step's prompts in one generate call, weights synced between calls | stream: groups sent to the "
@@ -84,8 +88,15 @@ class RolloutConfig(Section):
                 get_group_rollout(self.function)
         except ValueError as e:
             function_error = str(e).removeprefix(f"--rollout.function {self.function!r}: ")
+        agent_error = ""
+        if self.function == "openrlhf_agent":
+            try:
+                load_agent(self.agent_file)
+            except ValueError as e:
+                agent_error = str(e).removeprefix(f"--rollout.agent_file {self.agent_file}: ")
         return (
             _failed((not function_error, "rollout.function", function_error))
+            + _failed((not agent_error, "rollout.agent_file", f"{self.agent_file!r}: {agent_error}"))
             + _failed(
                 (self.batch_size >= 1, "rollout.batch_size", "must be >= 1"),
                 (self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1"),
