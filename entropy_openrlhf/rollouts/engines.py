@@ -59,19 +59,24 @@ class StreamEngines:
 
     async def __aexit__(self, *exc: object) -> None:
         self._closing = True
+        # Leaving on an error the run is ending: a hung engine (a stalled sync froze it) would hold the error up to
+        # ANSWER_S at each wait below, and no next client needs them, so nothing is waited for (aborts still sent).
+        failing = exc[0] is not None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for engine in self.engines:
             # a poll still running in the engine would take the results of whoever sends requests next (another
             # StreamEngines, within POLL_S): wait for it to answer; what it brings back was this client's
-            if engine.polling is not None:
+            if engine.polling is not None and not failing:
                 try:
                     await asyncio.wait_for(engine.polling, timeout=POLL_S + ANSWER_S)
                 except Exception as e:  # noqa: BLE001 - closing; an engine that is gone holds nothing
                     log.warning("closing the streaming engines: the last poll failed: %s", e)
         for engine in self.engines:  # nothing waits for them any more: free the engines
-            if engine.waiting:
+            if engine.waiting and failing:
+                engine.actor.abort.remote(list(engine.waiting))
+            elif engine.waiting:
                 try:
                     await asyncio.wait_for(engine.actor.abort.remote(list(engine.waiting)), timeout=ANSWER_S)
                 except Exception as e:  # noqa: BLE001 - closing; an engine that is gone holds nothing

@@ -351,12 +351,14 @@ def test_run_goes_on_when_an_engine_is_killed(ray_cluster, tmp_path, method):
         assert_documented({k for line in lines for k in line if k != "step"})
 
 
-# The adapter's load runs in the producer thread, the broadcast in the trainer's: the run fails from either. The
-# object store's load runs in the producer thread too, and its own deadline is tests/integration/test_rollout.py's.
+# The adapter's load runs in the producer's thread, the broadcast in the trainer's: the run fails from either. The
+# adapter run streams partial rollouts: its load then runs in the streaming producer's worker thread, and the
+# producer, leaving on the error, must not wait for the frozen engine's answers (it once held the error 120 s). The
+# object store's load runs in the producer thread as well; its own deadline is tests/integration/test_rollout.py's.
 @pytest.mark.parametrize("method", ["collective", "adapter"])
 def test_stalled_weight_sync_fails_the_run_within_the_timeout(ray_cluster, tmp_path, method):
     timeout_s = 5.0
-    lora = ["--actor.lora_rank", str(LORA_RANK)] if method == "adapter" else []
+    lora = ["--actor.lora_rank", str(LORA_RANK), "--rollout.mode", "partial"] if method == "adapter" else []
     _, _, trainer = make_trainer(
         tmp_path, "--train.num_steps", "3", "--async.max_staleness", "0", "--sync.timeout_s", str(timeout_s),
         "--sync.method", method, *lora,
